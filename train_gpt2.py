@@ -1,0 +1,749 @@
+"""Pretrain GPT-2 from scratch in plain PyTorch, on one device or many.
+
+    python train_gpt2.py                                       # one device (CUDA, MPS or CPU)
+    torchrun --standalone --nproc_per_node=8 train_gpt2.py     # one machine, 8 processes
+
+The file reads top to bottom in the order data flows: config, model, data, distributed setup,
+optimizer and schedule, evaluation, training loop, main. `python train_gpt2.py --help` lists
+every flag.
+"""
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import glob
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import types
+import typing
+import urllib.request
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+PROJECT_ROOT = os.path.dirname(os.path.abspath(__file__))
+TINY_SHAKESPEARE_URL = (
+    "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+)
+GPT2_EOT_TOKEN = 50256  # <|endoftext|>, the last of the tokenizer's 50257 tokens
+GPT2_VOCAB_SIZE = 50257
+
+# (n_layer, n_head, n_embd) of the four published GPT-2 models
+MODEL_SHAPES = {
+    "gpt2": (12, 12, 768),  # 124M
+    "gpt2-medium": (24, 16, 1024),  # 350M
+    "gpt2-large": (36, 20, 1280),  # 774M
+    "gpt2-xl": (48, 25, 1600),  # 1558M
+}
+
+
+class ConfigError(Exception):
+    """A user mistake: main() prints its message as one line and exits with status 2."""
+
+
+# ----------------------------------------------------------------------------- config
+
+
+@dataclass
+class TrainConfig:
+    # model shape
+    model: str = field(default="gpt2", metadata={"help": "GPT-2 shape: " + ", ".join(MODEL_SHAPES)})
+    n_layer: int | None = field(default=None, metadata={"help": "transformer blocks (default: from --model)"})
+    n_head: int | None = field(default=None, metadata={"help": "attention heads (default: from --model)"})
+    n_embd: int | None = field(default=None, metadata={"help": "model width (default: from --model)"})
+    block_size: int = field(default=1024, metadata={"help": "longest context the model accepts (learned positions)"})
+    vocab_size: int = field(
+        default=50304, metadata={"help": "embedding rows: GPT-2's 50257 tokens padded to a multiple of 128 for speed"}
+    )
+    # data
+    data_dir: str = field(
+        default="", metadata={"help": "folder of uint16 .npy shards (*_train_*, *_val_*); empty: train on --text_file"}
+    )
+    text_file: str = field(
+        default=os.path.join(PROJECT_ROOT, "input.txt"),
+        metadata={"help": "text to train on when --data_dir is empty, split 90/10 into train/val"},
+    )
+    text_url: str = field(
+        default=TINY_SHAKESPEARE_URL, metadata={"help": "where to download --text_file from when it is missing"}
+    )
+    # batch: 2**19 = 524,288 tokens a step, about GPT-3 small's 0.5M
+    total_batch_size: int = field(default=2**19, metadata={"help": "tokens per optimizer step, over all processes"})
+    micro_batch_size: int = field(default=64, metadata={"help": "sequences per forward/backward pass per process"})
+    seq_len: int = field(default=1024, metadata={"help": "tokens per training sequence (at most --block_size)"})
+    # optimizer and schedule (GPT-3 small's recipe, as in build-nanogpt)
+    max_lr: float = field(default=6e-4, metadata={"help": "peak learning rate, reached at the end of warmup"})
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "final learning rate as a fraction of --max_lr"})
+    warmup_steps: int = field(default=715, metadata={"help": "linear warmup steps (375M tokens at 2**19 a step)"})
+    max_steps: int = field(default=19073, metadata={"help": "optimizer steps; 19073 x 2**19 tokens is 10B tokens"})
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay on 2-D tensors only"})
+    beta1: float = field(default=0.9, metadata={"help": "AdamW beta1"})
+    beta2: float = field(default=0.95, metadata={"help": "AdamW beta2"})
+    eps: float = field(default=1e-8, metadata={"help": "AdamW epsilon"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip the global gradient norm to this; 0 disables"})
+    # runtime
+    device: str = field(default="auto", metadata={"help": "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps"})
+    dtype: str = field(
+        default="auto",
+        metadata={"help": "autocast dtype: auto (bfloat16 on CUDA that has it, else float16 with a "
+                  "GradScaler; float32 on MPS and CPU), float32, bfloat16 or float16"},
+    )
+    compile: bool | None = field(default=None, metadata={"help": "torch.compile the model (default: on for CUDA only)"})
+    seed: int = field(default=1337, metadata={"help": "seed for initialisation and sampling; same seed, same run"})
+    peak_tflops: float = field(
+        default=989.0,
+        metadata={"help": "device peak TFLOP/s for MFU: 989 is the H100 SXM dense bf16 datasheet figure"},
+    )
+    # evaluation and logging
+    eval_every: int = field(default=250, metadata={"help": "validation loss every N steps and at the end; 0: never"})
+    eval_steps: int = field(default=20, metadata={"help": "validation batches per evaluation"})
+    sample_every: int = field(default=250, metadata={"help": "print samples every N steps and at the end; 0: never"})
+    num_samples: int = field(default=4, metadata={"help": "continuations of --prompt per sampling"})
+    max_new_tokens: int = field(default=32, metadata={"help": "tokens per sample"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    top_k: int = field(default=50, metadata={"help": "sample among the k most likely tokens"})
+    prompt: str = field(default="Hello, I'm a language model,", metadata={"help": "text the samples continue"})
+    log_dir: str = field(default="log", metadata={"help": "folder for metrics.jsonl (one JSON record per line)"})
+
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints its usage and exits on a bad flag; we raise the one-line ConfigError instead."""
+
+    def error(self, message):
+        raise ConfigError(f"{message} (see --help)")
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    """Build the command line from TrainConfig's fields: every field is a --flag with its help."""
+    parser = _OneLineErrorParser(
+        description="Pretrain GPT-2. Defaults are the GPT-2 124M recipe on GPUs; see README.md for a CPU run.",
+    )
+    for config_field in dataclasses.fields(TrainConfig):
+        flag, help_text = f"--{config_field.name}", config_field.metadata["help"]
+        if "(default" not in help_text:
+            help_text += f" (default: {config_field.default})"
+        if config_field.type == (bool | None):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        else:
+            value_type = [t for t in typing.get_args(config_field.type) if t is not type(None)] or [config_field.type]
+            parser.add_argument(flag, type=value_type[0], default=config_field.default, help=help_text)
+    return TrainConfig(**vars(parser.parse_args(argv)))
+
+
+def model_shape(cfg: TrainConfig) -> tuple[int, int, int]:
+    """(n_layer, n_head, n_embd): the --model preset, with any explicit shape flag taking precedence."""
+    n_layer, n_head, n_embd = MODEL_SHAPES[cfg.model]
+    return (cfg.n_layer or n_layer, cfg.n_head or n_head, cfg.n_embd or n_embd)
+
+
+def check_config(cfg: TrainConfig, world_size: int) -> None:
+    """Catch user mistakes before any heavy work; each ConfigError names the problem and the fix."""
+    if cfg.model not in MODEL_SHAPES:
+        raise ConfigError(f"unknown --model {cfg.model!r}: choose one of {', '.join(MODEL_SHAPES)}")
+    positive = ["block_size", "vocab_size", "total_batch_size", "micro_batch_size", "seq_len", "max_steps"]
+    for name in positive + [n for n in ("n_layer", "n_head", "n_embd") if getattr(cfg, n) is not None]:
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+    n_layer, n_head, n_embd = model_shape(cfg)
+    if n_embd % n_head:
+        raise ConfigError(f"--n_embd {n_embd} is not divisible by --n_head {n_head}: pick a width that is")
+    if cfg.seq_len > cfg.block_size:
+        raise ConfigError(
+            f"--seq_len {cfg.seq_len} is longer than --block_size {cfg.block_size}: "
+            "lower --seq_len or raise --block_size"
+        )
+    if cfg.vocab_size < GPT2_VOCAB_SIZE:
+        raise ConfigError(
+            f"--vocab_size {cfg.vocab_size} is smaller than the GPT-2 tokenizer's {GPT2_VOCAB_SIZE} tokens: "
+            "use at least 50257 (50304 is faster)"
+        )
+    tokens_per_micro_step = cfg.micro_batch_size * cfg.seq_len * world_size
+    if cfg.total_batch_size % tokens_per_micro_step:
+        raise ConfigError(
+            f"--total_batch_size {cfg.total_batch_size} is not divisible by micro_batch_size x seq_len x processes "
+            f"= {cfg.micro_batch_size} x {cfg.seq_len} x {world_size} = {tokens_per_micro_step}: "
+            "make --total_batch_size a multiple of it"
+        )
+    if not 0 <= cfg.warmup_steps < cfg.max_steps:
+        raise ConfigError(
+            f"--warmup_steps {cfg.warmup_steps} must be at least 0 and less than --max_steps {cfg.max_steps}: "
+            "lower --warmup_steps"
+        )
+    if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"unknown --dtype {cfg.dtype!r}: choose auto, float32, bfloat16 or float16")
+    if cfg.eval_every and cfg.eval_steps < 1:
+        raise ConfigError(f"--eval_steps must be at least 1 when --eval_every is set, got {cfg.eval_steps}")
+    if cfg.top_k < 1 or cfg.temperature <= 0:
+        raise ConfigError(f"--top_k ({cfg.top_k}) must be at least 1 and --temperature ({cfg.temperature}) above 0")
+    if cfg.data_dir:
+        for split in ("train", "val"):
+            find_shards(cfg.data_dir, split)
+    elif not os.path.exists(cfg.text_file) and not cfg.text_url:
+        raise ConfigError(f"--text_file {cfg.text_file} does not exist and --text_url is empty: give a text file")
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int
+    n_head: int
+    n_embd: int
+    block_size: int = 1024
+    vocab_size: int = 50304
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.n_head = config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key, value in one matmul
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
+        return self.c_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+
+    def forward(self, x):
+        return self.c_proj(self.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd)
+        self.mlp = MLP(config)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    """GPT-2 as published; module names follow OpenAI's checkpoint so its weights map one to one."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+                ln_f=nn.LayerNorm(config.n_embd),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # tied input and output embeddings
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # GPT-2 paper: scale residual projections by 1/sqrt(N), N = 2 residual adds per block
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=residual_std if name.endswith("c_proj") else 0.02)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None):
+        """idx (B, T) token ids. Returns logits (B, T, vocab_size), or the mean loss if targets (B, T) is given."""
+        B, T = idx.shape
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size {self.config.block_size}")
+        positions = torch.arange(T, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, n_embd)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab_size)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() yields the tied matrix once
+
+
+def flops_per_token(model_config: GPTConfig, num_params: int, seq_len: int) -> int:
+    """Training FLOPs per token: 6N for the matmuls (forward + backward) plus 12 L T C for attention (PaLM, App. B)."""
+    return 6 * num_params + 12 * model_config.n_layer * seq_len * model_config.n_embd
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def gpt2_tokenizer():
+    import tiktoken  # imported here so that importing this file does no work
+
+    return tiktoken.get_encoding("gpt2")
+
+
+def download_text(url: str, path: str) -> None:
+    """Fetch url into path through a temporary file, so an interrupted download leaves nothing behind."""
+    temporary = f"{path}.part"
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response, open(temporary, "wb") as out:
+            out.write(response.read())
+    except OSError as error:
+        raise ConfigError(
+            f"could not download {url} to {path} ({error}): put a text file there or pass --text_file or --data_dir"
+        ) from None
+    os.replace(temporary, path)
+
+
+def read_text_tokens(path: str) -> np.ndarray:
+    """The whole text file as GPT-2 tokens, uint16 (ids fit: the vocabulary has 50257 entries)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    return np.array(gpt2_tokenizer().encode_ordinary(text), dtype=np.uint16)
+
+
+def find_shards(data_dir: str, split: str) -> list[str]:
+    if not os.path.isdir(data_dir):
+        raise ConfigError(f"--data_dir {data_dir} is not a folder: run fineweb.py to make shards, or fix the path")
+    paths = sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.npy")))
+    if not paths:
+        raise ConfigError(
+            f"no {split} shards (*_{split}_*.npy) in --data_dir {data_dir}: run fineweb.py to make them"
+        )
+    return paths
+
+
+def open_shard(path: str) -> np.ndarray:
+    """Memory-map one shard: its pages are read when a batch touches them, never the whole file into RAM."""
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"cannot read shard {path} ({error}): delete it and rerun fineweb.py") from None
+    if tokens.dtype != np.uint16 or tokens.ndim != 1 or len(tokens) < 2:
+        raise ConfigError(
+            f"shard {path} holds {tokens.dtype} of shape {tokens.shape}, not a 1-D uint16 array of at least "
+            "2 tokens: rerun fineweb.py"
+        )
+    return tokens
+
+
+class TokenStream:
+    """Token arrays (memory-mapped shards, or one in-memory array) read as one sequence."""
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays = arrays
+        self.starts = np.cumsum([0] + [len(a) for a in arrays])  # starts[i]: first global index of arrays[i]
+        self.num_tokens = int(self.starts[-1])
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start + count) as int64, gathered across array boundaries."""
+        pieces, end = [], start + count
+        index = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < end:
+            local = start - self.starts[index]
+            piece = self.arrays[index][local : local + end - start]
+            pieces.append(piece)
+            start += len(piece)
+            index += 1
+        return np.concatenate(pieces).astype(np.int64)
+
+
+def load_token_streams(cfg: TrainConfig) -> tuple[TokenStream, TokenStream]:
+    """(train, val) streams: the shards in --data_dir, or --text_file split 90/10."""
+    if cfg.data_dir:
+        return tuple(TokenStream([open_shard(p) for p in find_shards(cfg.data_dir, s)]) for s in ("train", "val"))
+    tokens = read_text_tokens(cfg.text_file)
+    split = int(0.9 * len(tokens))
+    return TokenStream([tokens[:split]]), TokenStream([tokens[split:]])
+
+
+class DataLoader:
+    """Contiguous (B, T) batches: x is B*T tokens, y the same window shifted by one.
+
+    All ranks walk one shared position, counted in tokens consumed by all ranks together: rank r of W
+    reads at position + r*B*T, and every call advances the position by W*B*T. So W ranks see exactly
+    the tokens one process sees with the same total batch. A step never runs past the end: when the
+    tokens left cannot fill one, the position wraps to the start.
+    """
+
+    def __init__(self, stream: TokenStream, batch_size: int, seq_len: int, rank: int, world_size: int,
+                 tokens_per_step: int, name: str):
+        if stream.num_tokens < tokens_per_step + 1:
+            raise ConfigError(
+                f"the {name} data holds {stream.num_tokens:,} tokens, fewer than one step needs "
+                f"({tokens_per_step:,} + 1): use more data or a smaller batch"
+            )
+        self.stream, self.batch_size, self.seq_len = stream, batch_size, seq_len
+        self.rank, self.world_size, self.tokens_per_step = rank, world_size, tokens_per_step
+        self.position = 0
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        B, T = self.batch_size, self.seq_len
+        at_step_start = self.position % self.tokens_per_step == 0
+        if at_step_start and self.position + self.tokens_per_step + 1 > self.stream.num_tokens:
+            self.position = 0
+        window = torch.from_numpy(self.stream.read(self.position + self.rank * B * T, B * T + 1))
+        self.position += self.world_size * B * T
+        return window[:-1].view(B, T), window[1:].view(B, T)
+
+
+# ----------------------------------------------------------------------------- distributed setup
+
+# Backstop for a collective whose peer never arrives. Rank 0 alone runs sampling between collectives,
+# so this must exceed the longest such pause; a crashed peer is detected in about a second anyway.
+DIST_TIMEOUT = datetime.timedelta(minutes=20)
+
+
+@dataclass
+class Launch:
+    """Where this process sits in the job. A plain `python train_gpt2.py` run is rank 0 of 1."""
+
+    rank: int = 0  # global rank, 0 .. world_size - 1
+    local_rank: int = 0  # rank within this machine: picks the GPU
+    world_size: int = 1
+    torchrun: bool = False  # started by torchrun: a process group is needed, even for one process
+
+
+def launch_from_env(environ) -> Launch:
+    """The one place that reads torchrun's variables; everything else receives a Launch."""
+    if "RANK" not in environ:
+        return Launch()
+    return Launch(int(environ["RANK"]), int(environ["LOCAL_RANK"]), int(environ["WORLD_SIZE"]), torchrun=True)
+
+
+def pick_device(requested: str, launch: Launch, cuda_available: bool, mps_available: bool) -> str:
+    if requested == "auto":
+        requested = "cuda" if cuda_available else "mps" if mps_available else "cpu"
+    device_type, _, index = requested.partition(":")
+    if device_type not in ("cpu", "cuda", "mps") or (index and (device_type != "cuda" or not index.isdigit())):
+        raise ConfigError(f"unknown --device {requested!r}: use auto, cpu, cuda, cuda:N or mps")
+    if device_type == "cuda" and not cuda_available or device_type == "mps" and not mps_available:
+        raise ConfigError(f"--device {requested} is not available on this machine: use --device auto or cpu")
+    if device_type == "cuda" and launch.torchrun:
+        if index and launch.world_size > 1:
+            raise ConfigError(f"--device {requested} names one GPU for {launch.world_size} processes: use --device cuda")
+        return f"cuda:{launch.local_rank}"  # one GPU per process
+    return requested
+
+
+def init_distributed(launch: Launch, device: str) -> None:
+    if not launch.torchrun:
+        return
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=DIST_TIMEOUT)
+
+
+def raise_if_any_rank_failed(error: ConfigError | None, launch: Launch) -> None:
+    """A mistake only some ranks see (a file missing on one machine) must stop every rank, and be told once."""
+    if launch.torchrun:
+        messages = [None] * launch.world_size
+        dist.all_gather_object(messages, None if error is None else str(error))
+        failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
+        if failed:
+            rank, message = failed[0]
+            raise ConfigError(message if rank == 0 else f"{message} (on rank {rank})")
+    elif error is not None:
+        raise error
+
+
+def all_reduce_mean(value: torch.Tensor, launch: Launch) -> torch.Tensor:
+    """Mean over ranks. SUM then divide: gloo's ReduceOp.AVG came late and had a correctness bug."""
+    if launch.torchrun:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= launch.world_size
+    return value
+
+
+# ----------------------------------------------------------------------------- optimizer and schedule
+
+
+def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
+    """Micro-steps per optimizer step; check_config has made sure this divides exactly."""
+    return cfg.total_batch_size // (cfg.micro_batch_size * cfg.seq_len * world_size)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to max_lr (step 0 already takes a non-zero step), cosine decay to min lr at max_steps."""
+    min_lr = cfg.max_lr * cfg.min_lr_ratio
+    if step < cfg.warmup_steps:
+        return cfg.max_lr * (step + 1) / cfg.warmup_steps
+    if step >= cfg.max_steps:
+        return min_lr
+    progress = (step - cfg.warmup_steps) / (cfg.max_steps - cfg.warmup_steps)  # 0 -> 1
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
+
+
+def configure_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices and embeddings (2-D) only, never on biases and LayerNorms."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def estimate_val_loss(model, loader: DataLoader, eval_steps: int, device: str, autocast, launch: Launch) -> float:
+    """Mean loss over the same eval_steps validation batches every time, averaged over ranks."""
+    model.eval()
+    loader.position = 0
+    loss_sum = torch.zeros((), device=device)
+    for _ in range(eval_steps):
+        x, y = loader.next_batch()
+        with autocast():
+            loss_sum += model(x.to(device), y.to(device))
+    model.train()
+    return all_reduce_mean(loss_sum / eval_steps, launch).item()
+
+
+@torch.no_grad()
+def generate(model: GPT, prompt_tokens: list[int], num_samples: int, max_new_tokens: int, temperature: float,
+             top_k: int, seed: int, device: str, autocast) -> list[list[int]]:
+    """Sample num_samples continuations; a private generator keeps the training RNG untouched and the text seeded."""
+    model.eval()
+    tokens = torch.tensor(prompt_tokens, device=device).repeat(num_samples, 1)  # (num_samples, prompt length)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    real_vocab = min(model.config.vocab_size, GPT2_VOCAB_SIZE)  # never sample a padding row
+    for _ in range(max_new_tokens):
+        with autocast():
+            logits = model(tokens[:, -model.config.block_size :])
+        logits = logits[:, -1, :real_vocab].float() / temperature  # (num_samples, real_vocab)
+        top_logits, top_ids = torch.topk(logits, min(top_k, real_vocab), dim=-1)
+        choice = torch.multinomial(F.softmax(top_logits, dim=-1), 1, generator=generator)  # (num_samples, 1)
+        tokens = torch.cat([tokens, torch.gather(top_ids, -1, choice)], dim=1)
+    model.train()
+    return tokens[:, len(prompt_tokens) :].tolist()
+
+
+# ----------------------------------------------------------------------------- training loop
+
+
+def resolve_dtype(requested: str, device_type: str, bf16_supported: bool) -> torch.dtype:
+    if requested == "auto":
+        if device_type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if bf16_supported else torch.float16
+    return getattr(torch, requested)
+
+
+def peak_memory_gib(device_type: str) -> float:
+    """Peak GPU memory allocated on CUDA; peak resident memory of this process elsewhere."""
+    if device_type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource  # Unix only; ru_maxrss is in KiB on Linux and in bytes on macOS
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+class MetricsLog:
+    """Prints and appends JSON records to <log_dir>/metrics.jsonl; silent on every rank but 0."""
+
+    def __init__(self, log_dir: str, active: bool):
+        self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
+        self.records = []
+        if active:
+            os.makedirs(log_dir, exist_ok=True)
+
+    def write(self, record: dict, line: str) -> None:
+        if self.active:
+            print(line, flush=True)
+            self.records.append(record)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def step_summary(step_ms: list[float], tokens_per_step: int, flops_per_step: float | None, cfg: TrainConfig,
+                 device_type: str) -> dict:
+    """Median speed over the steps after the first 3 (compilation and allocator warmup), peak memory."""
+    timed = step_ms[3:] or step_ms
+    median_ms = statistics.median(timed)
+    summary = {"timed_steps": len(timed), "median_ms": median_ms, "median_tokens_per_s": tokens_per_step * 1000 / median_ms,
+               "peak_memory_gib": peak_memory_gib(device_type)}
+    if flops_per_step is not None:
+        summary["mfu"] = flops_per_step * 1000 / median_ms / (cfg.peak_tflops * 1e12)
+    return summary
+
+
+@dataclass
+class TrainResult:
+    model: GPT  # the plain model: no DDP or compile wrapper
+    records: list[dict]  # what rank 0 logged; empty on other ranks
+
+
+def train(cfg: TrainConfig, launch: Launch, device: str) -> TrainResult:
+    device_type = device.split(":")[0]
+    is_main = launch.rank == 0
+    log = MetricsLog(cfg.log_dir, active=is_main)
+
+    # data: the text file is fetched once per machine, then every rank opens its streams
+    error = None
+    if launch.local_rank == 0 and not cfg.data_dir and not os.path.exists(cfg.text_file):
+        try:
+            download_text(cfg.text_url, cfg.text_file)
+        except ConfigError as download_error:
+            error = download_error
+    raise_if_any_rank_failed(error, launch)
+    try:
+        train_stream, val_stream = load_token_streams(cfg)
+        B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
+        train_loader = DataLoader(train_stream, B, T, launch.rank, W, cfg.total_batch_size, "training")
+        val_loader = DataLoader(val_stream, B, T, launch.rank, W, B * T * W, "validation")
+    except ConfigError as data_error:
+        error = data_error
+    raise_if_any_rank_failed(error, launch)
+
+    # model: the same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's)
+    torch.manual_seed(cfg.seed)
+    n_layer, n_head, n_embd = model_shape(cfg)
+    model_config = GPTConfig(n_layer, n_head, n_embd, cfg.block_size, cfg.vocab_size)
+    raw_model = GPT(model_config).to(device)
+    num_params = count_parameters(raw_model)
+    use_compile = cfg.compile if cfg.compile is not None else device_type == "cuda"
+    model = torch.compile(raw_model) if use_compile else raw_model
+    if launch.torchrun:
+        model = DDP(model, device_ids=[launch.local_rank] if device_type == "cuda" else None)
+
+    dtype = resolve_dtype(cfg.dtype, device_type, device_type == "cuda" and torch.cuda.is_bf16_supported())
+    if device_type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls for what autocast leaves in float32
+
+    def autocast():
+        return torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
+
+    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)  # float16 needs loss scaling
+    optimizer = configure_optimizer(raw_model, cfg, fused=device_type == "cuda")
+    accum_steps = grad_accum_steps(cfg, W)
+    flops_per_step = (flops_per_token(model_config, num_params, T) * cfg.total_batch_size
+                      if device_type == "cuda" else None)
+    tokenizer = gpt2_tokenizer()
+    if is_main:
+        print(f"device {device} ({str(dtype).removeprefix('torch.')}, compile {'on' if use_compile else 'off'}), "
+              f"{W} process(es); {num_params:,} parameters; {cfg.total_batch_size:,} tokens per step = "
+              f"{accum_steps} micro-steps x {W} process(es) x {B} x {T}; {train_stream.num_tokens:,} train tokens",
+              flush=True)
+
+    step_ms = []
+    for step in range(cfg.max_steps):
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=device)
+        for micro_step in range(accum_steps):
+            x, y = train_loader.next_batch()
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            # DDP all-reduces gradients in backward; only the last micro-step needs it
+            skip_sync = launch.torchrun and micro_step < accum_steps - 1
+            with model.no_sync() if skip_sync else contextlib.nullcontext():
+                with autocast():
+                    loss = model(x, y) / accum_steps  # the mean over the whole step, not a sum
+                scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+        train_loss = all_reduce_mean(loss_sum, launch)
+        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or float("inf"))
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        scaler.step(optimizer)
+        scaler.update()
+        train_loss, grad_norm = train_loss.item(), grad_norm.item()  # waits for the device
+        elapsed_ms = (time.perf_counter() - started) * 1000
+        step_ms.append(elapsed_ms)
+
+        tokens_per_s = cfg.total_batch_size * 1000 / elapsed_ms
+        record = {"step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
+                  "ms": elapsed_ms, "tokens_per_s": tokens_per_s}
+        line = (f"step {step:5d}/{cfg.max_steps} | loss {train_loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | "
+                f"{elapsed_ms:.0f} ms | {tokens_per_s:,.0f} tok/s")
+        if flops_per_step is not None:
+            record["mfu"] = flops_per_step * 1000 / elapsed_ms / (cfg.peak_tflops * 1e12)
+            line += f" | MFU {100 * record['mfu']:.1f}%"
+        log.write(record, line)
+
+        steps_done, last_step = step + 1, step + 1 == cfg.max_steps
+        if cfg.eval_every and (steps_done % cfg.eval_every == 0 or last_step):
+            val_loss = estimate_val_loss(model, val_loader, cfg.eval_steps, device, autocast, launch)
+            log.write({"step": step, "val_loss": val_loss}, f"step {step:5d}/{cfg.max_steps} | val loss {val_loss:.6f}")
+        if is_main and cfg.sample_every and (steps_done % cfg.sample_every == 0 or last_step):
+            samples = generate(raw_model, tokenizer.encode(cfg.prompt), cfg.num_samples, cfg.max_new_tokens,
+                               cfg.temperature, cfg.top_k, cfg.seed, device, autocast)
+            for i, sample in enumerate(samples):
+                print(f"sample {i}: {cfg.prompt}{tokenizer.decode(sample)}", flush=True)
+
+    summary = step_summary(step_ms, cfg.total_batch_size, flops_per_step, cfg, device_type)
+    line = (f"summary: median {summary['median_ms']:.1f} ms/step, {summary['median_tokens_per_s']:,.0f} tokens/s "
+            f"over the last {summary['timed_steps']} steps; peak memory {summary['peak_memory_gib']:.2f} GiB")
+    if "mfu" in summary:
+        line += f"; MFU {100 * summary['mfu']:.1f}% of {cfg.peak_tflops:g} TFLOP/s"
+    log.write({"summary": summary}, line)
+    return TrainResult(raw_model, log.records)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def exit_on_user_error(error: ConfigError, launch: Launch) -> typing.NoReturn:
+    if launch.rank == 0:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+@record  # under torchrun, the failure summary then names the failing rank and shows its traceback
+def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult:
+    launch = launch or launch_from_env(os.environ)
+    try:
+        check_config(cfg, launch.world_size)
+        device = pick_device(cfg.device, launch, torch.cuda.is_available(), torch.backends.mps.is_available())
+    except ConfigError as error:
+        exit_on_user_error(error, launch)
+    init_distributed(launch, device)
+    try:
+        result = train(cfg, launch, device)
+    except ConfigError as error:
+        exit_on_user_error(error, launch)
+    if launch.torchrun:
+        dist.destroy_process_group()  # on the normal path only: with a peer gone it can block
+    return result
+
+
+if __name__ == "__main__":
+    launch = launch_from_env(os.environ)
+    try:
+        config = parse_args(sys.argv[1:])
+    except ConfigError as error:
+        exit_on_user_error(error, launch)
+    main(config, launch)
