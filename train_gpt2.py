@@ -106,7 +106,9 @@ class TrainConfig:
     )
     # evaluation and logging
     eval_every: int = field(default=250, metadata={"help": "validation loss every N steps and at the end; 0: never"})
-    eval_steps: int = field(default=20, metadata={"help": "validation batches per evaluation"})
+    eval_steps: int = field(
+        default=20, metadata={"help": "validation steps of --total_batch_size tokens per evaluation (10M tokens)"}
+    )
     sample_every: int = field(default=250, metadata={"help": "print samples every N steps and at the end; 0: never"})
     num_samples: int = field(default=4, metadata={"help": "continuations of --prompt per sampling"})
     max_new_tokens: int = field(default=32, metadata={"help": "tokens per sample"})
@@ -175,9 +177,9 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
             f"= {cfg.micro_batch_size} x {cfg.seq_len} x {world_size} = {tokens_per_micro_step}: "
             "make --total_batch_size a multiple of it"
         )
-    if not 0 <= cfg.warmup_steps < cfg.max_steps:
+    if not 0 <= cfg.warmup_steps <= cfg.max_steps:
         raise ConfigError(
-            f"--warmup_steps {cfg.warmup_steps} must be at least 0 and less than --max_steps {cfg.max_steps}: "
+            f"--warmup_steps {cfg.warmup_steps} must be between 0 and --max_steps {cfg.max_steps}: "
             "lower --warmup_steps"
         )
     if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -517,17 +519,21 @@ def configure_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool) -> torc
 
 
 @torch.no_grad()
-def estimate_val_loss(model, loader: DataLoader, eval_steps: int, device: str, autocast, launch: Launch) -> float:
-    """Mean loss over the same eval_steps validation batches every time, averaged over ranks."""
+def estimate_val_loss(model, loader: DataLoader, eval_steps: int, accum_steps: int, device: str, autocast,
+                      launch: Launch) -> float:
+    """Mean loss over the first eval_steps validation steps, read like training steps (accum_steps micro-batches
+    per rank), so every evaluation and every process count sees the same tokens."""
     model.eval()
     loader.position = 0
-    loss_sum = torch.zeros((), device=device)
-    for _ in range(eval_steps):
-        x, y = loader.next_batch()
-        with autocast():
-            loss_sum += model(x.to(device), y.to(device))
+    step_losses = torch.zeros(eval_steps, device=device)
+    for step in range(eval_steps):
+        for _ in range(accum_steps):
+            x, y = loader.next_batch()
+            with autocast():
+                step_losses[step] += model(x.to(device), y.to(device)) / accum_steps
     model.train()
-    return all_reduce_mean(loss_sum / eval_steps, launch).item()
+    # each step averaged over ranks exactly as the training loss is, then the mean over steps
+    return all_reduce_mean(step_losses, launch).mean().item()
 
 
 @torch.no_grad()
@@ -599,6 +605,26 @@ def step_summary(step_ms: list[float], tokens_per_step: int, flops_per_step: flo
     return summary
 
 
+def forward_backward(model, loader: DataLoader, accum_steps: int, device: str, autocast, scaler,
+                     sync_last_only: bool) -> torch.Tensor:
+    """Accumulate one step's mean gradient over accum_steps micro-batches; returns this rank's mean loss.
+
+    A DDP model all-reduces gradients during every backward; sync_last_only skips that on all but the
+    last micro-step, which then reduces the accumulated sum once (same result, 1/accum_steps the traffic).
+    """
+    loss_sum = torch.zeros((), device=device)
+    for micro_step in range(accum_steps):
+        x, y = loader.next_batch()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        skip_sync = sync_last_only and micro_step < accum_steps - 1
+        with model.no_sync() if skip_sync else contextlib.nullcontext():
+            with autocast():
+                loss = model(x, y) / accum_steps  # the step's loss is the mean over micro-steps, not the sum
+            scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
 @dataclass
 class TrainResult:
     model: GPT  # the plain model: no DDP or compile wrapper
@@ -622,7 +648,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str) -> TrainResult:
         train_stream, val_stream = load_token_streams(cfg)
         B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
         train_loader = DataLoader(train_stream, B, T, launch.rank, W, cfg.total_batch_size, "training")
-        val_loader = DataLoader(val_stream, B, T, launch.rank, W, B * T * W, "validation")
+        val_loader = DataLoader(val_stream, B, T, launch.rank, W, cfg.total_batch_size, "validation")
     except ConfigError as data_error:
         error = data_error
     raise_if_any_rank_failed(error, launch)
@@ -661,18 +687,9 @@ def train(cfg: TrainConfig, launch: Launch, device: str) -> TrainResult:
     for step in range(cfg.max_steps):
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=device)
-        for micro_step in range(accum_steps):
-            x, y = train_loader.next_batch()
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            # DDP all-reduces gradients in backward; only the last micro-step needs it
-            skip_sync = launch.torchrun and micro_step < accum_steps - 1
-            with model.no_sync() if skip_sync else contextlib.nullcontext():
-                with autocast():
-                    loss = model(x, y) / accum_steps  # the mean over the whole step, not a sum
-                scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-        train_loss = all_reduce_mean(loss_sum, launch)
+        local_loss = forward_backward(model, train_loader, accum_steps, device, autocast, scaler,
+                                      sync_last_only=launch.torchrun)
+        train_loss = all_reduce_mean(local_loss, launch)
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or float("inf"))
         lr = lr_at(step, cfg)
@@ -696,7 +713,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str) -> TrainResult:
 
         steps_done, last_step = step + 1, step + 1 == cfg.max_steps
         if cfg.eval_every and (steps_done % cfg.eval_every == 0 or last_step):
-            val_loss = estimate_val_loss(model, val_loader, cfg.eval_steps, device, autocast, launch)
+            val_loss = estimate_val_loss(model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)
             log.write({"step": step, "val_loss": val_loss}, f"step {step:5d}/{cfg.max_steps} | val loss {val_loss:.6f}")
         if is_main and cfg.sample_every and (steps_done % cfg.sample_every == 0 or last_step):
             samples = generate(raw_model, tokenizer.encode(cfg.prompt), cfg.num_samples, cfg.max_new_tokens,

@@ -1,0 +1,42 @@
+"""Shared test setup: offline tokenizer files, the tiny Shakespeare text, a tiny model's flags."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+sys.path.insert(0, str(ROOT))
+
+if (SHARED / "tiktoken_cache").is_dir():  # offline copy of the GPT-2 BPE files (CI has no network)
+    os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED / "tiktoken_cache"))
+
+SHAKESPEARE = SHARED / "data" / "tinyshakespeare.txt"
+if not SHAKESPEARE.exists():
+    SHAKESPEARE = ROOT / "input.txt"
+
+# A 1.6M-parameter model (most of it the 50304-row embedding): 20 CPU steps take about 2 seconds.
+TINY_ARGS = [
+    "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size", "64",
+    "--seq_len", "32", "--micro_batch_size", "4", "--total_batch_size", "256",
+    "--max_steps", "20", "--warmup_steps", "2", "--max_lr", "3e-3",
+    "--eval_every", "0", "--sample_every", "0", "--device", "cpu", "--text_file", str(SHAKESPEARE),
+]
+
+
+def run_python(args, env=None, timeout=300):
+    """Run `python ARGS` in the project root, as a user would from a shell."""
+    return subprocess.run([sys.executable] + list(args), cwd=ROOT, env={**os.environ, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_script(args, env=None, timeout=300):
+    return run_python(["train_gpt2.py"] + list(args), env, timeout)
+
+
+@pytest.fixture
+def tiny_args(tmp_path):
+    return TINY_ARGS + ["--log_dir", str(tmp_path / "log")]

@@ -1,0 +1,65 @@
+"""Entry points that the DDP tests run under torchrun; each reads torchrun's variables like train_gpt2.py does.
+
+    ddp_entry.py train OUT FLAGS...            train, then rank 0 saves the final weights to OUT
+    ddp_entry.py fail RANK STEP FLAGS...       train, with rank RANK raising at step STEP
+    ddp_entry.py grad_sync OUT                 one accumulated step both ways; rank 0 saves both gradients
+"""
+
+import contextlib
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import train_gpt2  # noqa: E402
+
+
+def train(out, flags):
+    result = train_gpt2.main(train_gpt2.parse_args(flags))
+    if os.environ.get("RANK", "0") == "0":
+        torch.save(result.model.state_dict(), out)
+
+
+def fail(rank, step, flags):
+    plain_lr_at = train_gpt2.lr_at
+
+    def lr_at_that_fails(current_step, cfg):
+        if current_step == step and os.environ["RANK"] == rank:
+            raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+        return plain_lr_at(current_step, cfg)
+
+    train_gpt2.lr_at = lr_at_that_fails
+    train_gpt2.main(train_gpt2.parse_args(flags))
+
+
+def grad_sync(out):
+    launch = train_gpt2.launch_from_env(os.environ)
+    train_gpt2.init_distributed(launch, "cpu")
+    stream = train_gpt2.TokenStream([torch.randint(0, 64, (4096,), generator=torch.Generator().manual_seed(0))
+                                     .numpy().astype("uint16")])
+    gradients = []
+    for sync_last_only in (True, False):
+        torch.manual_seed(0)
+        model = DDP(train_gpt2.GPT(train_gpt2.GPTConfig(2, 2, 32, block_size=16, vocab_size=64)))
+        loader = train_gpt2.DataLoader(stream, 2, 16, launch.rank, launch.world_size, 4 * 2 * 16 * 2, "training")
+        scaler = torch.amp.GradScaler("cpu", enabled=False)
+        train_gpt2.forward_backward(model, loader, 4, "cpu", contextlib.nullcontext, scaler, sync_last_only)
+        gradients.append({n: p.grad for n, p in model.module.named_parameters()})
+    if launch.rank == 0:
+        torch.save(gradients, out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    command, args = sys.argv[1], sys.argv[2:]
+    if command == "train":
+        train(args[0], args[1:])
+    elif command == "fail":
+        fail(args[0], int(args[1]), args[2:])
+    else:
+        grad_sync(args[0])

@@ -1,0 +1,103 @@
+import contextlib
+import json
+
+import pytest
+import torch
+
+import train_gpt2 as t
+from conftest import TINY_ARGS
+
+
+def run(args, tmp_path, name="log"):
+    return t.main(t.parse_args(TINY_ARGS + ["--log_dir", str(tmp_path / name)] + args))
+
+
+def train_losses(result):
+    return [r["train_loss"] for r in result.records if "train_loss" in r]
+
+
+def test_twenty_steps_on_tiny_shakespeare_lower_the_loss(tmp_path):
+    losses = train_losses(run([], tmp_path))
+    assert len(losses) == 20
+    assert abs(losses[0] - 10.83) < 0.1  # about ln(50257): uniform over the real vocabulary
+    assert losses[19] < losses[0] - 0.75, losses
+
+
+def test_same_seed_gives_identical_losses_and_another_seed_does_not(tmp_path):
+    first = train_losses(run(["--max_steps", "5"], tmp_path, "a"))
+    second = train_losses(run(["--max_steps", "5"], tmp_path, "b"))
+    other_seed = train_losses(run(["--max_steps", "5", "--seed", "7"], tmp_path, "c"))
+    assert first == second
+    assert other_seed[0] != first[0]
+
+
+def test_metrics_file_holds_every_record_and_a_summary(tmp_path):
+    result = run(["--max_steps", "6", "--eval_every", "3", "--eval_steps", "2"], tmp_path)
+    lines = (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line) for line in lines] == result.records
+    assert [r["step"] for r in result.records if "val_loss" in r] == [2, 5]
+    train_records = [r for r in result.records if "train_loss" in r]
+    assert [r["step"] for r in train_records] == [0, 1, 2, 3, 4, 5]
+    assert [r["lr"] for r in train_records] == [t.lr_at(s, t.parse_args(TINY_ARGS + ["--max_steps", "6"]))
+                                                for s in range(6)]
+    summary = result.records[-1]["summary"]
+    assert summary["timed_steps"] == 3  # the first 3 steps are left out of the median
+    assert summary["median_tokens_per_s"] == pytest.approx(256 * 1000 / summary["median_ms"])
+    assert "mfu" not in summary  # MFU is reported on CUDA only
+
+
+def test_val_loss_is_the_mean_over_the_first_eval_batches(tmp_path):
+    result = run(["--max_steps", "3", "--eval_every", "3", "--eval_steps", "2"], tmp_path)
+    logged = [r["val_loss"] for r in result.records if "val_loss" in r]
+    cfg = t.parse_args(TINY_ARGS)
+    _, val = t.load_token_streams(cfg)
+    # 2 steps of 256 tokens: windows 0-3 of 4 x 32 tokens each, from the first validation token
+    windows = [torch.from_numpy(val.read(i * 128, 129)) for i in range(4)]
+    with torch.no_grad():
+        expected = sum(result.model(w[:-1].view(4, 32), w[1:].view(4, 32)) for w in windows) / 4
+    assert logged == [pytest.approx(expected.item(), rel=1e-6)]
+
+
+def test_samples_are_seeded(tmp_path, capsys):
+    args = ["--max_steps", "2", "--sample_every", "2", "--num_samples", "2", "--max_new_tokens", "8"]
+    run(args, tmp_path, "a")
+    first = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sample")]
+    run(args, tmp_path, "b")
+    second = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sample")]
+    assert len(first) == 2 and first[0].startswith("sample 0: Hello, I'm a language model,")
+    assert first == second
+
+
+class PaddedVocabModel(torch.nn.Module):
+    """Logits that favour the padding rows (id >= 50257) and then token 7."""
+
+    config = t.GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=50304)
+
+    def forward(self, idx):
+        assert idx.shape[1] <= 4, "the context must be cropped to block_size"
+        logits = torch.zeros(*idx.shape, 50304)
+        logits[..., 50257:] = 100.0
+        logits[..., 7] = 50.0
+        return logits
+
+
+def test_generate_never_samples_padding_rows_and_crops_to_block_size():
+    tokens = t.generate(PaddedVocabModel(), [1, 2, 3, 4, 5], num_samples=2, max_new_tokens=3, temperature=1.0,
+                        top_k=1, seed=0, device="cpu", autocast=contextlib.nullcontext)
+    assert tokens == [[7, 7, 7], [7, 7, 7]]
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("bfloat16", 0.02), ("float16", 0.01)])
+def test_reduced_precision_paths_track_float32(tmp_path, dtype, tolerance):
+    """bf16 autocast and fp16 with a GradScaler are the GPU defaults; CPU autocast runs the same code."""
+    reference = train_losses(run(["--max_steps", "5"], tmp_path, "fp32"))
+    reduced = train_losses(run(["--max_steps", "5", "--dtype", dtype], tmp_path, dtype))
+    assert reduced != reference  # autocast really ran
+    assert max(abs(a - b) for a, b in zip(reduced, reference)) < tolerance
+
+
+def test_compiled_model_trains_like_the_eager_one(tmp_path):
+    """torch.compile is the CUDA default; inductor also compiles for CPU, so a GPU run finds no surprise."""
+    eager = train_losses(run(["--max_steps", "3"], tmp_path, "eager"))
+    compiled = train_losses(run(["--max_steps", "3", "--compile"], tmp_path, "compiled"))
+    assert max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4
