@@ -1,0 +1,167 @@
+import json
+
+import numpy as np
+import pytest
+
+import fineweb
+import train_gpt2
+from conftest import SHARED, TINY_ARGS, run_python
+
+SAMPLE = SHARED / "data" / "fineweb_10BT_sample.jsonl"  # 700 FineWeb documents, see its README.md
+
+
+def read_shards(folder):
+    return [np.load(p) for p in sorted(folder.glob("*.npy"), key=lambda p: p.name.split("_")[-1])]
+
+
+@pytest.fixture(scope="module")
+def sample_shards(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("shards") / "sample"
+    counts = fineweb.main(fineweb.parse_args(["--input", str(SAMPLE), "--out_dir", str(out_dir),
+                                              "--shard_size", "300000", "--workers", "1"]))
+    return out_dir, counts
+
+
+def test_sample_gives_exactly_1123459_tokens_in_4_shards(sample_shards):
+    out_dir, counts = sample_shards
+    assert counts == (700, 1_123_459, 4)
+    assert sorted(p.name for p in out_dir.iterdir()) == [
+        "sample_train_000001.npy", "sample_train_000002.npy", "sample_train_000003.npy", "sample_val_000000.npy"]
+    assert [len(s) for s in read_shards(out_dir)] == [300_000, 300_000, 300_000, 223_459]
+    assert all(s.dtype == np.uint16 and s.ndim == 1 for s in read_shards(out_dir))
+
+
+def test_shards_concatenated_equal_the_direct_tokenization(sample_shards):
+    out_dir, _ = sample_shards
+    encoding = train_gpt2.gpt2_tokenizer()
+    expected = []
+    for line in SAMPLE.read_text(encoding="utf-8").splitlines():
+        expected += [50256] + encoding.encode_ordinary(json.loads(line)["text"])
+    assert np.concatenate(read_shards(out_dir)).tolist() == expected
+
+
+def test_two_workers_write_byte_identical_shards(sample_shards, tmp_path):
+    one_worker, _ = sample_shards
+    fineweb.main(fineweb.parse_args(["--input", str(SAMPLE), "--out_dir", str(tmp_path / "sample"),
+                                     "--shard_size", "300000", "--workers", "2"]))
+    for path in one_worker.iterdir():
+        assert (tmp_path / "sample" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_a_document_longer_than_a_shard_spills_over(tmp_path):
+    documents = [np.arange(10, dtype=np.uint16), np.arange(100, 103, dtype=np.uint16)]
+    assert fineweb.write_shards(iter(documents), str(tmp_path), "x", shard_size=4) == (2, 13, 4)
+    assert [s.tolist() for s in read_shards(tmp_path)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 100, 101], [102]]
+    assert (tmp_path / "x_val_000000.npy").exists() and (tmp_path / "x_train_000003.npy").exists()
+
+
+def test_a_leftover_temporary_file_is_never_read(tmp_path):
+    fineweb.write_shards(iter([np.arange(8, dtype=np.uint16)]), str(tmp_path), "x", shard_size=4)
+    (tmp_path / "x_train_000002.npy.tmp").write_bytes(b"half a shard")  # as a killed run would leave it
+    assert train_gpt2.find_shards(str(tmp_path), "train") == [str(tmp_path / "x_train_000001.npy")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x_train_000001.npy", "x_train_000002.npy.tmp",
+                                                         "x_val_000000.npy"]
+
+
+def test_overwrite_replaces_old_shards(tmp_path):
+    fineweb.write_shards(iter([np.arange(12, dtype=np.uint16)]), str(tmp_path), "x", shard_size=4)
+    (tmp_path / "x_train_000009.npy.tmp").write_bytes(b"leftover")
+    fineweb.main(fineweb.parse_args(["--input", str(SAMPLE), "--out_dir", str(tmp_path), "--prefix", "x",
+                                     "--shard_size", "1000000", "--overwrite", "--workers", "1"]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x_train_000001.npy", "x_val_000000.npy"]
+
+
+def one_line_error(result):
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+def run_fineweb(args, env=None):
+    return run_python(["fineweb.py"] + args, env=env)
+
+
+def test_error_input_missing(tmp_path):
+    line = one_line_error(run_fineweb(["--input", str(tmp_path / "*.jsonl"), "--out_dir", str(tmp_path / "out")]))
+    assert line == f"error: --input {tmp_path / '*.jsonl'} matches no file: check the path"
+
+
+def test_error_input_empty(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    line = one_line_error(run_fineweb(["--input", str(tmp_path / "empty.jsonl"), "--out_dir", str(tmp_path / "out")]))
+    assert line == f"error: no documents in --input {tmp_path / 'empty.jsonl'}: check the files"
+
+
+def test_error_out_dir_not_empty(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    line = one_line_error(run_fineweb(["--input", str(SAMPLE), "--out_dir", str(tmp_path / "out")]))
+    assert line == (f"error: --out_dir {tmp_path / 'out'} is not empty: pass --overwrite to replace its shards, "
+                    "or choose another folder")
+
+
+def test_error_record_without_the_text_field_names_file_and_line(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"body": "no text here"}\n')
+    line = one_line_error(run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out")]))
+    assert line == f"error: {corpus} line 3 has no field 'text': pass --text_field"
+
+
+def without_module(tmp_path, name):
+    """An environment in which `import NAME` fails, as on a machine that lacks it."""
+    fake = tmp_path / "fake_modules" / name
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(f"raise ImportError('{name} is not installed')\n")
+    return {"PYTHONPATH": str(tmp_path / "fake_modules")}
+
+
+def test_error_parquet_without_pyarrow(tmp_path):
+    corpus = tmp_path / "corpus.parquet"
+    corpus.write_bytes(b"PAR1")
+    line = one_line_error(run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out")],
+                                      env=without_module(tmp_path, "pyarrow")))
+    assert line == f"error: reading {corpus} needs pyarrow: pip install pyarrow"
+
+
+def test_error_default_source_without_datasets(tmp_path):
+    line = one_line_error(run_fineweb(["--out_dir", str(tmp_path / "out")], env=without_module(tmp_path, "datasets")))
+    assert line == ("error: downloading FineWeb-Edu needs the datasets library: pip install datasets "
+                    "(or pass --input with local files)")
+
+
+def test_txt_and_gzipped_jsonl_inputs(tmp_path):
+    import gzip
+
+    (tmp_path / "a.txt").write_text("Hello world")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"content": "Hello world"}) + "\n")
+    counts = fineweb.main(fineweb.parse_args(["--input", str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl.gz"),
+                                              "--text_field", "content", "--out_dir", str(tmp_path / "out"),
+                                              "--workers", "1"]))
+    assert counts == (2, 6, 1)  # each: <|endoftext|> Hello world
+    assert read_shards(tmp_path / "out")[0].tolist() == [50256, 15496, 995, 50256, 15496, 995]
+
+
+def shard_training_args(out_dir, log_dir):
+    args = TINY_ARGS[: TINY_ARGS.index("--text_file")]
+    return args + ["--data_dir", str(out_dir), "--max_steps", "20", "--max_lr", "1e-2", "--eval_every", "20",
+                   "--eval_steps", "1", "--log_dir", str(log_dir)]
+
+
+def losses(log_dir):
+    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train_loss"] for r in records if "train_loss" in r], [r["val_loss"] for r in records if "val_loss" in r]
+
+
+def test_end_to_end_train_on_the_shards_one_and_two_processes(sample_shards, tmp_path):
+    out_dir, _ = sample_shards
+    single = run_python(["train_gpt2.py"] + shard_training_args(out_dir, tmp_path / "one"), env={"OMP_NUM_THREADS": "1"})
+    assert single.returncode == 0, single.stderr
+    train_losses, val_losses = losses(tmp_path / "one")
+    assert train_losses[-1] < train_losses[0] - 1.5, train_losses  # measured: 10.83 -> 8.25
+    assert val_losses[0] < train_losses[0] - 1.0, val_losses  # measured: 9.08
+    double = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py"]
+                        + shard_training_args(out_dir, tmp_path / "two"), env={"OMP_NUM_THREADS": "1"})
+    assert double.returncode == 0, double.stderr
+    assert losses(tmp_path / "two") == (train_losses, val_losses)  # 2 ranks x 1 micro-step = 1 x 2, exactly
