@@ -577,13 +577,15 @@ def peak_memory_gib(device_type: str) -> float:
 
 
 class MetricsLog:
-    """Prints and appends JSON records to <log_dir>/metrics.jsonl; silent on every rank but 0."""
+    """Prints and appends JSON records to <log_dir>/metrics.jsonl, which each run starts afresh; silent on every
+    rank but 0."""
 
     def __init__(self, log_dir: str, active: bool):
         self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
         self.records = []
         if active:
             os.makedirs(log_dir, exist_ok=True)
+            open(self.path, "w").close()
 
     def write(self, record: dict, line: str) -> None:
         if self.active:
@@ -648,7 +650,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str) -> TrainResult:
         train_stream, val_stream = load_token_streams(cfg)
         B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
         train_loader = DataLoader(train_stream, B, T, launch.rank, W, cfg.total_batch_size, "training")
-        val_loader = DataLoader(val_stream, B, T, launch.rank, W, cfg.total_batch_size, "validation")
+        val_loader = (DataLoader(val_stream, B, T, launch.rank, W, cfg.total_batch_size, "validation")
+                      if cfg.eval_every else None)
     except ConfigError as data_error:
         error = data_error
     raise_if_any_rank_failed(error, launch)
@@ -748,12 +751,16 @@ def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult:
     except ConfigError as error:
         exit_on_user_error(error, launch)
     init_distributed(launch, device)
+    result = user_error = None
     try:
         result = train(cfg, launch, device)
-    except ConfigError as error:
-        exit_on_user_error(error, launch)
+    except ConfigError as error:  # raise_if_any_rank_failed raised it on every rank together
+        user_error = error
     if launch.torchrun:
-        dist.destroy_process_group()  # on the normal path only: with a peer gone it can block
+        # every rank gets here together; not after a crash, where a peer may be gone and this can block
+        dist.destroy_process_group()
+    if user_error is not None:
+        exit_on_user_error(user_error, launch)
     return result
 
 

@@ -2,6 +2,7 @@
 
     ddp_entry.py train OUT FLAGS...            train, then rank 0 saves the final weights to OUT
     ddp_entry.py fail RANK STEP FLAGS...       train, with rank RANK raising at step STEP
+    ddp_entry.py bad_data RANK FLAGS...        train, with only rank RANK unable to read its data
     ddp_entry.py grad_sync OUT                 one accumulated step both ways; rank 0 saves both gradients
 """
 
@@ -37,6 +38,18 @@ def fail(rank, step, flags):
     train_gpt2.main(train_gpt2.parse_args(flags))
 
 
+def bad_data(rank, flags):
+    plain_load = train_gpt2.load_token_streams
+
+    def load_that_fails_on_one_rank(cfg):
+        if os.environ["RANK"] == rank:
+            raise train_gpt2.ConfigError("cannot read shard /data/x_train_000001.npy (disk error)")
+        return plain_load(cfg)
+
+    train_gpt2.load_token_streams = load_that_fails_on_one_rank
+    train_gpt2.main(train_gpt2.parse_args(flags))
+
+
 def grad_sync(out):
     launch = train_gpt2.launch_from_env(os.environ)
     train_gpt2.init_distributed(launch, "cpu")
@@ -61,5 +74,7 @@ if __name__ == "__main__":
         train(args[0], args[1:])
     elif command == "fail":
         fail(args[0], int(args[1]), args[2:])
+    elif command == "bad_data":
+        bad_data(args[0], args[1:])
     else:
         grad_sync(args[0])

@@ -64,6 +64,16 @@ def test_batch_not_divisible_by_world_size_stops_every_rank_with_one_line(tmp_pa
     assert 'train_gpt2.py", line' not in result.stderr  # no traceback from our code
 
 
+def test_a_data_error_only_one_rank_sees_is_told_once_and_stops_every_rank(tmp_path):
+    result = torchrun(2, [ENTRY, "bad_data", "1"] + TINY_ARGS + ["--log_dir", str(tmp_path / "log")])
+    assert result.returncode != 0
+    # rank 1 alone failed, yet rank 0 prints its message, once, and both ranks exit with status 2
+    message = "error: cannot read shard /data/x_train_000001.npy (disk error) (on rank 1)"
+    assert result.stderr.splitlines().count(message) == 1, result.stderr
+    assert result.stderr.count("exitcode  : 2") >= 1 and "exitcode  : 1" not in result.stderr
+    assert "step " not in result.stdout
+
+
 def test_a_rank_that_raises_mid_training_ends_every_rank(tmp_path):
     started = time.monotonic()
     flags = TINY_ARGS + ["--max_steps", "100000", "--log_dir", str(tmp_path / "log")]

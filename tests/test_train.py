@@ -46,6 +46,23 @@ def test_metrics_file_holds_every_record_and_a_summary(tmp_path):
     assert "mfu" not in summary  # MFU is reported on CUDA only
 
 
+def test_a_new_run_starts_a_fresh_metrics_file(tmp_path):
+    run(["--max_steps", "3"], tmp_path)
+    run(["--max_steps", "2"], tmp_path)
+    lines = (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line).get("step") for line in lines] == [0, 1, None]  # 2 steps and the summary
+
+
+def test_no_validation_data_needed_without_evaluation(tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("To be, or not to be, that is the question. " * 40)  # 10% of it is too short to validate on
+    args = ["--max_steps", "2", "--text_file", str(text)]
+    assert len(train_losses(run(args, tmp_path))) == 2
+    with pytest.raises(SystemExit) as stopped:
+        run(args + ["--eval_every", "1"], tmp_path)
+    assert stopped.value.code == 2
+
+
 def test_val_loss_is_the_mean_over_the_first_eval_batches(tmp_path):
     result = run(["--max_steps", "3", "--eval_every", "3", "--eval_steps", "2"], tmp_path)
     logged = [r["val_loss"] for r in result.records if "val_loss" in r]
