@@ -77,6 +77,11 @@ class TrainConfig:
     text_url: str = field(
         default=TINY_SHAKESPEARE_URL, metadata={"help": "where to download --text_file from when it is missing"}
     )
+    shuffle: bool | None = field(
+        default=None,
+        metadata={"help": "visit the training windows in a new seeded order each epoch (default: on with --data_dir, "
+                  "off for --text_file)"},
+    )
     # batch: 2**19 = 524,288 tokens a step, about GPT-3 small's 0.5M
     total_batch_size: int = field(default=2**19, metadata={"help": "tokens per optimizer step, over all processes"})
     micro_batch_size: int = field(default=64, metadata={"help": "sequences per forward/backward pass per process"})
@@ -99,7 +104,7 @@ class TrainConfig:
                   "GradScaler; float32 on MPS and CPU), float32, bfloat16 or float16"},
     )
     compile: bool | None = field(default=None, metadata={"help": "torch.compile the model (default: on for CUDA only)"})
-    seed: int = field(default=1337, metadata={"help": "seed for initialisation and sampling; same seed, same run"})
+    seed: int = field(default=1337, metadata={"help": "seed for initialisation, shuffling and sampling"})
     peak_tflops: float = field(
         default=989.0,
         metadata={"help": "device peak TFLOP/s for MFU: 989 is the H100 SXM dense bf16 datasheet figure"},
@@ -388,33 +393,53 @@ def load_token_streams(cfg: TrainConfig) -> tuple[TokenStream, TokenStream]:
 
 
 class DataLoader:
-    """Contiguous (B, T) batches: x is B*T tokens, y the same window shifted by one.
+    """(B, T) batches drawn from a stream cut into windows of T + 1 tokens: x = window[:-1], y = window[1:].
 
-    All ranks walk one shared position, counted in tokens consumed by all ranks together: rank r of W
-    reads at position + r*B*T, and every call advances the position by W*B*T. So W ranks see exactly
-    the tokens one process sees with the same total batch. A step never runs past the end: when the
-    tokens left cannot fill one, the position wraps to the start.
+    Window k starts at token k*T, so consecutive windows share one token and only the final partial
+    window is left out; windows span shard boundaries. The whole position is one integer, the windows
+    consumed by all ranks together: each call gives rank r of W the B windows starting at
+    position + r*B, and advances the position by W*B. A step of S windows is thus split the same way
+    for any W and B, and with shuffle off rank r reads at token offset r*B*T, advancing W*B*T (the
+    contiguous layout). When the windows run out a new epoch starts; with shuffle on, each epoch
+    visits them in a permutation drawn from (seed, epoch) alone, so every rank agrees without talking.
     """
 
     def __init__(self, stream: TokenStream, batch_size: int, seq_len: int, rank: int, world_size: int,
-                 tokens_per_step: int, name: str):
-        if stream.num_tokens < tokens_per_step + 1:
+                 windows_per_step: int, shuffle: bool, seed: int, name: str):
+        self.num_windows = (stream.num_tokens - 1) // seq_len
+        if self.num_windows < windows_per_step:
             raise ConfigError(
-                f"the {name} data holds {stream.num_tokens:,} tokens, fewer than one step needs "
-                f"({tokens_per_step:,} + 1): use more data or a smaller batch"
+                f"the {name} data holds {stream.num_tokens:,} tokens, {self.num_windows:,} windows of {seq_len} + 1, "
+                f"fewer than one step needs ({windows_per_step:,}): use more data or a smaller batch"
             )
         self.stream, self.batch_size, self.seq_len = stream, batch_size, seq_len
-        self.rank, self.world_size, self.tokens_per_step = rank, world_size, tokens_per_step
-        self.position = 0
+        self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
+        self.windows_consumed = 0
+        self._order_epoch, self._order = None, None
+
+    @property
+    def epoch(self) -> int:
+        return self.windows_consumed // self.num_windows
+
+    def window_order(self, epoch: int) -> np.ndarray:
+        """Window numbers in the order this epoch visits them (8 bytes a window, made once an epoch)."""
+        if self._order_epoch != epoch:
+            rng = np.random.default_rng([self.seed, epoch])
+            self._order_epoch, self._order = epoch, rng.permutation(self.num_windows)
+        return self._order
+
+    def window_start(self, window: int) -> int:
+        """Token offset of the window-th window consumed since the start of training."""
+        epoch, index = divmod(window, self.num_windows)
+        return int(self.window_order(epoch)[index] if self.shuffle else index) * self.seq_len
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         B, T = self.batch_size, self.seq_len
-        at_step_start = self.position % self.tokens_per_step == 0
-        if at_step_start and self.position + self.tokens_per_step + 1 > self.stream.num_tokens:
-            self.position = 0
-        window = torch.from_numpy(self.stream.read(self.position + self.rank * B * T, B * T + 1))
-        self.position += self.world_size * B * T
-        return window[:-1].view(B, T), window[1:].view(B, T)
+        first = self.windows_consumed + self.rank * B
+        windows = np.stack([self.stream.read(self.window_start(w), T + 1) for w in range(first, first + B)])
+        self.windows_consumed += self.world_size * B
+        windows = torch.from_numpy(windows)  # (B, T + 1)
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
 # ----------------------------------------------------------------------------- distributed setup
@@ -524,7 +549,7 @@ def estimate_val_loss(model, loader: DataLoader, eval_steps: int, accum_steps: i
     """Mean loss over the first eval_steps validation steps, read like training steps (accum_steps micro-batches
     per rank), so every evaluation and every process count sees the same tokens."""
     model.eval()
-    loader.position = 0
+    loader.windows_consumed = 0
     step_losses = torch.zeros(eval_steps, device=device)
     for step in range(eval_steps):
         for _ in range(accum_steps):
@@ -649,9 +674,12 @@ def train(cfg: TrainConfig, launch: Launch, device: str) -> TrainResult:
     try:
         train_stream, val_stream = load_token_streams(cfg)
         B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
-        train_loader = DataLoader(train_stream, B, T, launch.rank, W, cfg.total_batch_size, "training")
-        val_loader = (DataLoader(val_stream, B, T, launch.rank, W, cfg.total_batch_size, "validation")
-                      if cfg.eval_every else None)
+        windows_per_step = cfg.total_batch_size // T
+        shuffle = cfg.shuffle if cfg.shuffle is not None else bool(cfg.data_dir)
+        train_loader = DataLoader(train_stream, B, T, launch.rank, W, windows_per_step, shuffle, cfg.seed, "training")
+        # validation: in order, the same windows every time; all the evaluation's steps must fit
+        val_loader = (DataLoader(val_stream, B, T, launch.rank, W, windows_per_step * cfg.eval_steps, False, cfg.seed,
+                                 "validation") if cfg.eval_every else None)
     except ConfigError as data_error:
         error = data_error
     raise_if_any_rank_failed(error, launch)
@@ -686,7 +714,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str) -> TrainResult:
               f"{accum_steps} micro-steps x {W} process(es) x {B} x {T}; {train_stream.num_tokens:,} train tokens",
               flush=True)
 
-    step_ms = []
+    step_ms, epoch = [], 0
     for step in range(cfg.max_steps):
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -713,6 +741,11 @@ def train(cfg: TrainConfig, launch: Launch, device: str) -> TrainResult:
             record["mfu"] = flops_per_step * 1000 / elapsed_ms / (cfg.peak_tflops * 1e12)
             line += f" | MFU {100 * record['mfu']:.1f}%"
         log.write(record, line)
+        if train_loader.epoch > epoch:
+            epoch = train_loader.epoch
+            log.write({"step": step, "epoch": epoch},
+                      f"step {step:5d}/{cfg.max_steps} | epoch {epoch} begins: all {train_loader.num_windows:,} "
+                      f"training windows were used, starting again{' in a new order' if shuffle else ''}")
 
         steps_done, last_step = step + 1, step + 1 == cfg.max_steps
         if cfg.eval_every and (steps_done % cfg.eval_every == 0 or last_step):

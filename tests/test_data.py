@@ -11,47 +11,105 @@ def arange_stream(n, pieces=1):
     return t.TokenStream(np.array_split(np.arange(n, dtype=np.uint16), pieces))
 
 
-def windows(loader, count):
-    """Start token of each sequence in the next `count` batches."""
-    return [int(row[0]) for _ in range(count) for row in loader.next_batch()[0]]
+def loader(stream, B=2, T=4, rank=0, world_size=1, windows_per_step=4, shuffle=False, seed=0):
+    return t.DataLoader(stream, B, T, rank, world_size, windows_per_step, shuffle, seed, "training")
 
 
-def test_first_batches_are_contiguous_windows_with_targets_shifted_by_one():
-    loader = t.DataLoader(arange_stream(100), batch_size=2, seq_len=4, rank=0, world_size=1, tokens_per_step=16,
-                          name="training")
-    x, y = loader.next_batch()
+def starts(data_loader, batches):
+    """Start token of each window in the next `batches` batches."""
+    return [int(row[0]) for _ in range(batches) for row in data_loader.next_batch()[0]]
+
+
+def step_windows(loaders, micro_steps):
+    """The set of window starts that all ranks together read in one step."""
+    return sorted(s for each in loaders for s in starts(each, micro_steps))
+
+
+def test_first_batches_are_windows_with_targets_shifted_by_one():
+    data = loader(arange_stream(100))
+    x, y = data.next_batch()
     assert x.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert y.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert x.dtype == torch.int64
-    x, y = loader.next_batch()
+    x, y = data.next_batch()
     assert x.tolist() == [[8, 9, 10, 11], [12, 13, 14, 15]]
     assert y.tolist() == [[9, 10, 11, 12], [13, 14, 15, 16]]
+    assert data.windows_consumed == 4
 
 
-def test_wraps_to_the_start_when_a_whole_step_no_longer_fits():
-    # steps of 16 tokens need 17; 100 tokens hold steps at 0, 16, ..., 80 (80 + 17 = 97), not at 96
-    loader = t.DataLoader(arange_stream(100), 2, 4, 0, 1, tokens_per_step=16, name="training")
-    starts = windows(loader, 14)
-    assert starts == list(range(0, 96, 4)) + [0, 4, 8, 12]
+def test_every_usable_window_then_a_new_epoch():
+    # 100 tokens hold 24 windows of 4 + 1 (the last starts at 92 and ends at token 96); 96..99 cannot fill one
+    data = loader(arange_stream(100))
+    assert data.num_windows == 24
+    assert starts(data, 12) == list(range(0, 96, 4)) and data.epoch == 1
+    assert starts(data, 2) == [0, 4, 8, 12]  # epoch 1 starts again from the first window
+    assert data.windows_consumed == 28
 
 
-def test_second_rank_reads_the_second_micro_batch():
-    loader = t.DataLoader(arange_stream(100), 2, 4, rank=1, world_size=2, tokens_per_step=16, name="training")
-    assert loader.next_batch()[0].tolist() == [[8, 9, 10, 11], [12, 13, 14, 15]]
-    assert loader.next_batch()[0].tolist() == [[24, 25, 26, 27], [28, 29, 30, 31]]  # advanced by 2 x 8 tokens
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_an_epoch_over_several_shards_uses_every_window_exactly_once(shuffle):
+    stream = arange_stream(1001, pieces=7)  # shard ends fall inside windows
+    data = loader(stream, B=5, T=10, windows_per_step=10, shuffle=shuffle, seed=3)
+    assert data.num_windows == 100
+    seen = starts(data, 20)
+    assert sorted(seen) == list(range(0, 1000, 10))
+    assert (seen == sorted(seen)) == (not shuffle)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_ranks_partition_the_single_process_windows_across_shard_boundaries(world_size):
-    """W ranks with B each see exactly the windows one process sees with the same total batch."""
-    stream = arange_stream(1000, pieces=7)  # shard boundaries every ~143 tokens, inside windows too
-    B, T, steps, tokens_per_step = 2, 5, 6, 40  # 40 tokens a step: 4 micro-batches of 2 x 5 for one process
-    single = t.DataLoader(stream, B, T, 0, 1, tokens_per_step, "training")
-    single_windows = windows(single, steps * tokens_per_step // (B * T))
-    per_rank = [windows(t.DataLoader(stream, B, T, r, world_size, tokens_per_step, "training"),
-                        steps * tokens_per_step // (B * T * world_size)) for r in range(world_size)]
-    all_ranks = sorted(s for rank_windows in per_rank for s in rank_windows)
-    assert all_ranks == sorted(single_windows) == list(range(0, steps * tokens_per_step, T))
+def test_shuffle_off_is_the_contiguous_layout_token_for_token():
+    tokens = np.random.default_rng(0).integers(0, 50257, size=2000).astype(np.uint16)
+    stream = t.TokenStream(np.array_split(tokens, 3))
+    B, T, W = 2, 8, 3
+    ranks = [loader(stream, B, T, r, W, windows_per_step=12, shuffle=False) for r in range(W)]
+    for micro_step in range(5):
+        for r, data in enumerate(ranks):
+            offset = (micro_step * W + r) * B * T  # rank r at r*B*T, advancing W*B*T
+            x, y = data.next_batch()
+            assert x.flatten().tolist() == tokens[offset : offset + B * T].tolist()
+            assert y.flatten().tolist() == tokens[offset + 1 : offset + B * T + 1].tolist()
+
+
+@pytest.mark.parametrize("world_size, batch_size", [(1, 12), (1, 4), (2, 6), (2, 2), (3, 4), (3, 2)])
+def test_ranks_split_each_step_into_the_single_process_windows(world_size, batch_size):
+    """12 windows a step; shuffle on; over 10 steps, across shard boundaries and an epoch boundary."""
+    stream = arange_stream(801, pieces=5)  # 100 windows of 8 + 1: an epoch ends inside step 9
+    single = loader(stream, B=12, T=8, windows_per_step=12, shuffle=True, seed=5)
+    ranks = [loader(stream, batch_size, 8, r, world_size, 12, True, 5) for r in range(world_size)]
+    micro_steps = 12 // (batch_size * world_size)
+    for _ in range(10):
+        assert step_windows(ranks, micro_steps) == sorted(starts(single, 1))
+
+
+def test_order_depends_on_seed_and_epoch_only():
+    data = loader(arange_stream(801), T=8, shuffle=True, seed=5)
+    again = loader(arange_stream(801, pieces=4), B=4, T=8, world_size=2, shuffle=True, seed=5)
+    assert data.window_order(0).tolist() == again.window_order(0).tolist()
+    assert data.window_order(1).tolist() != data.window_order(0).tolist()
+    assert loader(arange_stream(801), T=8, shuffle=True, seed=6).window_order(0).tolist() != data.window_order(0).tolist()
+    assert sorted(data.window_order(1).tolist()) == list(range(100))
+
+
+def test_the_stored_position_resumes_the_same_windows_at_another_world_size():
+    stream = arange_stream(801, pieces=3)
+    uninterrupted = loader(stream, B=12, T=8, windows_per_step=12, shuffle=True, seed=1)
+    two_ranks = [loader(stream, 3, 8, r, 2, 12, True, 1) for r in range(2)]
+    for _ in range(4):
+        step_windows(two_ranks, 2)
+        starts(uninterrupted, 1)
+    position = two_ranks[0].windows_consumed  # what a checkpoint stores: one integer
+    assert position == two_ranks[1].windows_consumed == 48
+    three_ranks = [loader(stream, 2, 8, r, 3, 12, True, 1) for r in range(3)]
+    for data in three_ranks:
+        data.windows_consumed = position
+    for _ in range(10):  # past the end of the epoch too
+        assert step_windows(three_ranks, 2) == sorted(starts(uninterrupted, 1))
+
+
+def test_data_with_fewer_windows_than_a_step_is_refused():
+    with pytest.raises(t.ConfigError, match=r"the training data holds 16 tokens, 3 windows of 4 \+ 1, fewer than one "
+                                            r"step needs \(4\): use more data or a smaller batch"):
+        loader(arange_stream(16))
+    assert loader(arange_stream(17)).num_windows == 4  # B*T+1 tokens are enough for one step of B windows
 
 
 def test_read_spans_array_boundaries():
@@ -59,12 +117,6 @@ def test_read_spans_array_boundaries():
     assert stream.num_tokens == 6
     assert stream.read(2, 4).tolist() == [3, 4, 5, 6]
     assert stream.read(0, 6).tolist() == [1, 2, 3, 4, 5, 6]
-
-
-def test_data_shorter_than_one_step_is_refused():
-    with pytest.raises(t.ConfigError, match=r"the training data holds 16 tokens, fewer than one step needs \(16 \+ 1\)"):
-        t.DataLoader(arange_stream(16), 2, 4, 0, 1, tokens_per_step=16, name="training")
-    t.DataLoader(arange_stream(17), 2, 4, 0, 1, tokens_per_step=16, name="training")  # B*T+1 is enough
 
 
 def test_tiny_shakespeare_splits_90_10_by_tokens():
@@ -89,10 +141,11 @@ def test_shards_are_memory_mapped_and_read_as_one_stream(tmp_path):
     train, val = t.load_token_streams(t.parse_args(["--data_dir", str(tmp_path)]))
     assert all(isinstance(a, np.memmap) for a in train.arrays + val.arrays)  # nothing loaded whole
     assert (train.num_tokens, val.num_tokens) == (100, 50)
-    loader = t.DataLoader(train, 2, 8, 0, 1, tokens_per_step=32, name="training")
-    # 3 steps of 32 (+1) tokens fit in 100; the windows cross the shard boundaries at 30 and 60
-    assert windows(loader, 6) == list(range(0, 96, 8))
-    assert loader.next_batch()[0].tolist() == [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]]
+    data = loader(train, B=2, T=8, windows_per_step=4)
+    # 12 windows of 8 + 1 fit in 100 tokens; they cross the shard boundaries at 30 and 60
+    assert starts(data, 6) == list(range(0, 96, 8))
+    x, _ = data.next_batch()
+    assert x.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15]]  # epoch 1
 
 
 def test_shard_of_the_wrong_dtype_is_named(tmp_path):

@@ -63,6 +63,18 @@ def test_no_validation_data_needed_without_evaluation(tmp_path):
     assert stopped.value.code == 2
 
 
+def test_epoch_rollover_is_logged_and_training_goes_on(tmp_path, capsys):
+    text = tmp_path / "short.txt"
+    text.write_text("To be, or not to be, that is the question. " * 40)
+    train_tokens = int(0.9 * len(t.read_text_tokens(str(text))))
+    windows = (train_tokens - 1) // 32
+    assert windows == 14  # 8 windows a step: epoch 1 begins during step 1, epoch 2 during step 3
+    result = run(["--max_steps", "5", "--text_file", str(text)], tmp_path)
+    assert [(r["step"], r["epoch"]) for r in result.records if "epoch" in r] == [(1, 1), (3, 2)]
+    assert len(train_losses(result)) == 5
+    assert "step     1/5 | epoch 1 begins: all 14 training windows were used, starting again" in capsys.readouterr().out
+
+
 def test_val_loss_is_the_mean_over_the_first_eval_batches(tmp_path):
     result = run(["--max_steps", "3", "--eval_every", "3", "--eval_steps", "2"], tmp_path)
     logged = [r["val_loss"] for r in result.records if "val_loss" in r]
