@@ -13,9 +13,13 @@ import contextlib
 import dataclasses
 import datetime
 import glob
+import hashlib
 import json
 import math
 import os
+import random
+import re
+import signal
 import statistics
 import sys
 import time
@@ -120,7 +124,20 @@ class TrainConfig:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
     top_k: int = field(default=50, metadata={"help": "sample among the k most likely tokens"})
     prompt: str = field(default="Hello, I'm a language model,", metadata={"help": "text the samples continue"})
-    log_dir: str = field(default="log", metadata={"help": "folder for metrics.jsonl (one JSON record per line)"})
+    log_dir: str = field(default="log", metadata={"help": "folder for metrics.jsonl and checkpoints"})
+    # checkpoints
+    ckpt_every: int = field(
+        default=1000, metadata={"help": "write <log_dir>/ckpt_<step>.pt every N steps and at the end; 0: only at the end"}
+    )
+    keep_ckpts: int = field(default=2, metadata={"help": "keep the N newest checkpoints; 0 keeps all"})
+    stop_after_steps: int = field(
+        default=0,
+        metadata={"help": "end this run with a checkpoint after N steps, for jobs with a time limit; the schedule "
+                  "still runs to --max_steps; 0: train to --max_steps"},
+    )
+    resume: str = field(
+        default="", metadata={"help": "a checkpoint to continue from, or 'auto' for the newest readable one in --log_dir"}
+    )
 
 
 
@@ -191,6 +208,8 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"unknown --dtype {cfg.dtype!r}: choose auto, float32, bfloat16 or float16")
     if cfg.eval_every and cfg.eval_steps < 1:
         raise ConfigError(f"--eval_steps must be at least 1 when --eval_every is set, got {cfg.eval_steps}")
+    if cfg.ckpt_every < 0 or cfg.keep_ckpts < 0 or cfg.stop_after_steps < 0:
+        raise ConfigError("--ckpt_every, --keep_ckpts and --stop_after_steps must be 0 or more")
     if cfg.top_k < 1 or cfg.temperature <= 0:
         raise ConfigError(f"--top_k ({cfg.top_k}) must be at least 1 and --temperature ({cfg.temperature}) above 0")
     if cfg.data_dir:
@@ -489,17 +508,22 @@ def init_distributed(launch: Launch, device: str) -> None:
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=DIST_TIMEOUT)
 
 
+def gather_from_ranks(value, launch: Launch) -> list:
+    """[value of rank 0, value of rank 1, ...] on every rank (picklable values)."""
+    if not launch.torchrun:
+        return [value]
+    values = [None] * launch.world_size
+    dist.all_gather_object(values, value)
+    return values
+
+
 def raise_if_any_rank_failed(error: ConfigError | None, launch: Launch) -> None:
     """A mistake only some ranks see (a file missing on one machine) must stop every rank, and be told once."""
-    if launch.torchrun:
-        messages = [None] * launch.world_size
-        dist.all_gather_object(messages, None if error is None else str(error))
-        failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
-        if failed:
-            rank, message = failed[0]
-            raise ConfigError(message if rank == 0 else f"{message} (on rank {rank})")
-    elif error is not None:
-        raise error
+    messages = gather_from_ranks(None if error is None else str(error), launch)
+    failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
+    if failed:
+        rank, message = failed[0]
+        raise ConfigError(message if rank == 0 else f"{message} (on rank {rank})")
 
 
 def all_reduce_mean(value: torch.Tensor, launch: Launch) -> torch.Tensor:
@@ -580,6 +604,148 @@ def generate(model: GPT, prompt_tokens: list[int], num_samples: int, max_new_tok
     return tokens[:, len(prompt_tokens) :].tolist()
 
 
+# ----------------------------------------------------------------------------- checkpoints
+
+# Fields a resumed run must share with its checkpoint: the model's shape, and what numbers the data
+# stream and the schedule (a step is total_batch_size tokens in windows of seq_len).
+RESUME_MUST_MATCH = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "total_batch_size", "seq_len")
+
+
+def checkpoint_paths(log_dir: str) -> list[str]:
+    """ckpt_<step>.pt files in log_dir, newest (highest step) first."""
+    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(log_dir, "ckpt_*.pt"))
+             if (m := re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p)))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(2**24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_atomically(path: str, write) -> None:
+    """write(temporary_path), flush it to disk, then rename: a reader sees the old file or the whole new one."""
+    temporary = f"{path}.tmp"
+    write(temporary)
+    with open(temporary, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
+def save_checkpoint(path: str, state: dict, keep: int) -> None:
+    """Write the checkpoint and its sha256 beside it (torch.load misses a flipped byte in tensor data), then keep
+    only the `keep` newest checkpoints."""
+    write_atomically(path, lambda temporary: torch.save(state, temporary))
+    digest = file_sha256(path)
+    write_atomically(f"{path}.sha256", lambda temporary: open(temporary, "w").write(digest + "\n"))
+    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    os.fsync(directory)  # make the renames themselves durable
+    os.close(directory)
+    for old in checkpoint_paths(os.path.dirname(path))[keep:] if keep else []:
+        for stale in (old, f"{old}.sha256"):
+            if os.path.exists(stale):
+                os.remove(stale)
+
+
+def load_checkpoint(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"--resume {path}: no such checkpoint file")
+    checksum_path = f"{path}.sha256"
+    if os.path.exists(checksum_path):
+        with open(checksum_path) as f:
+            if f.read().strip() != file_sha256(path):
+                raise ConfigError(f"checkpoint {path} is corrupt (its sha256 differs from {checksum_path}): "
+                                  "resume from an older checkpoint")
+    try:
+        # on the CPU first: loading straight to the GPU can run out of memory next to the model
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # a truncated or foreign file fails in many ways; all mean the same to the user
+        raise ConfigError(f"cannot read checkpoint {path} ({str(error).splitlines()[0]}): "
+                          "resume from an older checkpoint") from None
+    checkpoint["path"] = path
+    return checkpoint
+
+
+def find_resume_checkpoint(cfg: TrainConfig, say) -> dict | None:
+    """The checkpoint --resume names; with 'auto', the newest one in log_dir that loads, or None."""
+    if cfg.resume != "auto":
+        return load_checkpoint(cfg.resume) if cfg.resume else None
+    for path in checkpoint_paths(cfg.log_dir):
+        try:
+            return load_checkpoint(path)
+        except ConfigError as error:
+            say(f"warning: skipping {error}")
+    say(f"--resume auto: no checkpoint in {cfg.log_dir}, starting from scratch")
+    return None
+
+
+def check_resumable(checkpoint: dict, cfg: TrainConfig) -> None:
+    saved, wanted = checkpoint["config"], dataclasses.asdict(cfg)
+    saved["n_layer"], saved["n_head"], saved["n_embd"] = model_shape(TrainConfig(**saved))
+    wanted["n_layer"], wanted["n_head"], wanted["n_embd"] = model_shape(cfg)
+    differing = [f"{name} {saved[name]} -> {wanted[name]}" for name in RESUME_MUST_MATCH if saved[name] != wanted[name]]
+    if differing:
+        raise ConfigError(
+            f"cannot resume from {checkpoint['path']}: {', '.join(differing)} (the checkpoint's model shape, total batch and "
+            "seq_len define its weights, schedule and data position): use the checkpoint's values"
+        )
+
+
+def rng_states() -> dict:
+    numpy_state = np.random.get_state()  # plain types only, so torch.load's safe weights_only mode reads it
+    return {
+        "python": random.getstate(),
+        "numpy": (numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]),
+        "torch_cpu": torch.get_rng_state(),
+        "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def restore_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    name, keys, *rest = states["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(states["torch_cpu"])
+    if states["torch_cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["torch_cuda"])
+
+
+class StopSignal:
+    """SIGTERM (preemption, a scheduler's time limit) or Ctrl-C: finish the step, checkpoint, exit cleanly.
+
+    The handler only sets a flag; the loop checks it between steps. A second Ctrl-C stops at once.
+    """
+
+    def __init__(self):
+        self.requested, self.previous = False, {}
+
+    def __enter__(self):
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self.previous[signum] = signal.signal(signum, self.handle)
+        return self
+
+    def handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc_info):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def any_rank(flag: bool, launch: Launch, device: str) -> bool:
+    """True on every rank if it is true on any: torchrun forwards a signal to all, but a scheduler may not."""
+    if not launch.torchrun:
+        return flag
+    value = torch.tensor(float(flag), device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
 # ----------------------------------------------------------------------------- training loop
 
 
@@ -602,19 +768,32 @@ def peak_memory_gib(device_type: str) -> float:
 
 
 class MetricsLog:
-    """Prints and appends JSON records to <log_dir>/metrics.jsonl, which each run starts afresh; silent on every
-    rank but 0."""
+    """Prints and appends JSON records to <log_dir>/metrics.jsonl; silent on every rank but 0."""
 
     def __init__(self, log_dir: str, active: bool):
         self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
         self.records = []
         if active:
             os.makedirs(log_dir, exist_ok=True)
-            open(self.path, "w").close()
+
+    def begin(self, resume_step: int | None) -> None:
+        """A new run starts an empty file; a resumed one keeps the records of the steps before resume_step."""
+        if not self.active:
+            return
+        kept = []
+        if resume_step is not None and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if json.loads(line).get("step", resume_step) < resume_step]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+
+    def say(self, line: str) -> None:
+        if self.active:
+            print(line, flush=True)
 
     def write(self, record: dict, line: str) -> None:
         if self.active:
-            print(line, flush=True)
+            self.say(line)
             self.records.append(record)
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -658,7 +837,7 @@ class TrainResult:
     records: list[dict]  # what rank 0 logged; empty on other ranks
 
 
-def train(cfg: TrainConfig, launch: Launch, device: str) -> TrainResult:
+def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal) -> TrainResult:
     device_type = device.split(":")[0]
     is_main = launch.rank == 0
     log = MetricsLog(cfg.log_dir, active=is_main)
@@ -684,6 +863,22 @@ def train(cfg: TrainConfig, launch: Launch, device: str) -> TrainResult:
         error = data_error
     raise_if_any_rank_failed(error, launch)
 
+    # resume: every rank reads the checkpoint, and all must have found the same one
+    checkpoint = None
+    try:
+        checkpoint = find_resume_checkpoint(cfg, log.say)
+        if checkpoint is not None:
+            check_resumable(checkpoint, cfg)
+    except ConfigError as resume_error:
+        error = resume_error
+    raise_if_any_rank_failed(error, launch)
+    resume_steps = gather_from_ranks(checkpoint and checkpoint["step"], launch)
+    if len(set(resume_steps)) > 1:
+        raise ConfigError(f"the ranks found different checkpoints (steps {resume_steps}): put --log_dir on storage "
+                          "that every machine shares, or pass --resume PATH")
+    start_step = checkpoint["step"] if checkpoint else 0
+    log.begin(start_step if checkpoint else None)
+
     # model: the same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's)
     torch.manual_seed(cfg.seed)
     n_layer, n_head, n_embd = model_shape(cfg)
@@ -707,6 +902,14 @@ def train(cfg: TrainConfig, launch: Launch, device: str) -> TrainResult:
     accum_steps = grad_accum_steps(cfg, W)
     flops_per_step = (flops_per_token(model_config, num_params, T) * cfg.total_batch_size
                       if device_type == "cuda" else None)
+    if checkpoint is not None:
+        raw_model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        if checkpoint["scaler"]:
+            scaler.load_state_dict(checkpoint["scaler"])
+        train_loader.windows_consumed = checkpoint["windows_consumed"]
+        restore_rng_states(checkpoint["rng"])
+        log.say(f"resumed from step {start_step} ({checkpoint['windows_consumed']:,} windows into the data)")
     tokenizer = gpt2_tokenizer()
     if is_main:
         print(f"device {device} ({str(dtype).removeprefix('torch.')}, compile {'on' if use_compile else 'off'}), "
@@ -714,8 +917,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str) -> TrainResult:
               f"{accum_steps} micro-steps x {W} process(es) x {B} x {T}; {train_stream.num_tokens:,} train tokens",
               flush=True)
 
-    step_ms, epoch = [], 0
-    for step in range(cfg.max_steps):
+    step_ms, epoch = [], train_loader.epoch
+    for step in range(start_step, cfg.max_steps):
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         local_loss = forward_backward(model, train_loader, accum_steps, device, autocast, scaler,
@@ -757,6 +960,24 @@ def train(cfg: TrainConfig, launch: Launch, device: str) -> TrainResult:
             for i, sample in enumerate(samples):
                 print(f"sample {i}: {cfg.prompt}{tokenizer.decode(sample)}", flush=True)
 
+        stop = any_rank(stop_signal.requested, launch, device)
+        pause = not last_step and cfg.stop_after_steps and steps_done - start_step == cfg.stop_after_steps
+        if is_main and (last_step or stop or pause or cfg.ckpt_every and steps_done % cfg.ckpt_every == 0):
+            state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "scaler": scaler.state_dict(), "step": steps_done, "config": dataclasses.asdict(cfg),
+                     "windows_consumed": train_loader.windows_consumed, "rng": rng_states()}
+            save_checkpoint(os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt"), state, cfg.keep_ckpts)
+        if stop or pause:
+            if launch.torchrun:
+                dist.barrier()  # no rank leaves before rank 0's checkpoint is complete
+            reason = "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}"
+            log.say(f"stopped by {reason} after step {step}, checkpoint {cfg.log_dir}/ckpt_{steps_done}.pt written: "
+                    "to continue, run the same command with --resume auto")
+            break
+
+    if not step_ms:
+        log.say(f"nothing to train: the checkpoint is at step {start_step} of --max_steps {cfg.max_steps}")
+        return TrainResult(raw_model, log.records)
     summary = step_summary(step_ms, cfg.total_batch_size, flops_per_step, cfg, device_type)
     line = (f"summary: median {summary['median_ms']:.1f} ms/step, {summary['median_tokens_per_s']:,.0f} tokens/s "
             f"over the last {summary['timed_steps']} steps; peak memory {summary['peak_memory_gib']:.2f} GiB")
@@ -786,7 +1007,8 @@ def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult:
     init_distributed(launch, device)
     result = user_error = None
     try:
-        result = train(cfg, launch, device)
+        with StopSignal() as stop_signal:
+            result = train(cfg, launch, device, stop_signal)
     except ConfigError as error:  # raise_if_any_rank_failed raised it on every rank together
         user_error = error
     if launch.torchrun:

@@ -1,0 +1,194 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train_gpt2 as t
+from conftest import ROOT, TINY_ARGS, run_script
+from test_ddp import ENTRY, ONE_THREAD, torchrun
+
+EIGHT_STEPS = TINY_ARGS + ["--max_steps", "8", "--eval_every", "4", "--eval_steps", "1"]
+
+
+def run(args, log_dir):
+    return t.main(t.parse_args(EIGHT_STEPS + ["--log_dir", str(log_dir)] + args))
+
+
+def logged(log_dir, key="train_loss"):
+    lines = (log_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r[key]) for r in map(json.loads, lines) if key in r]
+
+
+def assert_same_weights(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name  # bitwise
+
+
+def test_resume_is_exact_in_one_process(tmp_path):
+    straight = run([], tmp_path / "straight")
+    first_half = run(["--stop_after_steps", "4"], tmp_path / "resumed")
+    assert [r["step"] for r in first_half.records if "train_loss" in r] == [0, 1, 2, 3]
+    resumed = run(["--resume", "auto"], tmp_path / "resumed")
+    assert [r["step"] for r in resumed.records if "train_loss" in r] == [4, 5, 6, 7]
+    assert logged(tmp_path / "resumed") == logged(tmp_path / "straight")  # all 8 steps, no duplicates
+    assert logged(tmp_path / "resumed", "val_loss") == logged(tmp_path / "straight", "val_loss")
+    assert_same_weights(resumed.model.state_dict(), straight.model.state_dict())
+
+
+def test_resume_is_exact_under_two_processes(tmp_path):
+    def two_processes(log_dir, *extra):
+        result = torchrun(2, [ENTRY, "train", str(log_dir / "final.pt")] + EIGHT_STEPS +
+                          ["--log_dir", str(log_dir), *extra])
+        assert result.returncode == 0, result.stderr
+
+    two_processes(tmp_path / "straight")
+    two_processes(tmp_path / "resumed", "--stop_after_steps", "4")
+    two_processes(tmp_path / "resumed", "--resume", "auto")
+    assert logged(tmp_path / "resumed") == logged(tmp_path / "straight")
+    assert_same_weights(torch.load(tmp_path / "resumed" / "final.pt"), torch.load(tmp_path / "straight" / "final.pt"))
+
+
+@pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
+def test_resume_at_another_world_size_trains_on_the_same_tokens(tmp_path, first, second):
+    """1 process accumulating 2 micro-batches and 2 processes of 1 compute bitwise the same step, so equal
+    losses after the switch mean the resumed run read exactly the uninterrupted run's tokens."""
+    def launch(nproc, log_dir, *extra):
+        args = EIGHT_STEPS + ["--log_dir", str(log_dir), *extra]
+        result = (torchrun(2, ["train_gpt2.py"] + args) if nproc == 2
+                  else run_script(args, env=ONE_THREAD))
+        assert result.returncode == 0, result.stderr
+
+    launch(first, tmp_path / "straight")
+    launch(first, tmp_path / "switched", "--stop_after_steps", "3")
+    launch(second, tmp_path / "switched", "--resume", "auto")
+    assert logged(tmp_path / "switched") == logged(tmp_path / "straight")
+    checkpoint = torch.load(tmp_path / "switched" / "ckpt_8.pt")
+    assert checkpoint["windows_consumed"] == 8 * 8  # 8 steps of 256 tokens = 8 windows of 32
+
+
+def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):
+    run(["--max_steps", "3", "--warmup_steps", "1"], tmp_path)
+    checkpoint = torch.load(tmp_path / "ckpt_3.pt", weights_only=True)  # the safe loader reads it
+    assert set(checkpoint) == {"model", "optimizer", "scaler", "step", "config", "windows_consumed", "rng"}
+    assert checkpoint["step"] == 3 and checkpoint["windows_consumed"] == 24
+    assert not any(k.startswith(("module.", "_orig_mod.")) for k in checkpoint["model"])
+    assert checkpoint["config"]["n_embd"] == 32
+    assert set(checkpoint["rng"]) == {"python", "numpy", "torch_cpu", "torch_cuda"}
+    assert (tmp_path / "ckpt_3.pt.sha256").read_text().strip() == t.file_sha256(str(tmp_path / "ckpt_3.pt"))
+
+
+def test_keep_ckpts_leaves_exactly_the_newest(tmp_path):
+    run(["--max_steps", "5", "--warmup_steps", "1", "--ckpt_every", "1", "--keep_ckpts", "2"], tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == [
+        "ckpt_4.pt", "ckpt_4.pt.sha256", "ckpt_5.pt", "ckpt_5.pt.sha256"]
+
+
+def one_line_error(result):
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def two_checkpoints(tmp_path):
+    run(["--ckpt_every", "4"], tmp_path)
+    return tmp_path
+
+
+def test_truncated_checkpoint(two_checkpoints):
+    newest = two_checkpoints / "ckpt_8.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    (two_checkpoints / "ckpt_8.pt.sha256").unlink()  # as if killed before the checksum was written
+    line = one_line_error(run_script(EIGHT_STEPS + ["--log_dir", str(two_checkpoints), "--resume", str(newest)]))
+    assert line.startswith(f"error: cannot read checkpoint {newest} (")
+    assert line.endswith("): resume from an older checkpoint")
+    # auto warns and takes the one before
+    result = run_script(EIGHT_STEPS + ["--log_dir", str(two_checkpoints), "--resume", "auto"])
+    assert result.returncode == 0, result.stderr
+    assert f"warning: skipping cannot read checkpoint {newest}" in result.stdout
+    assert "resumed from step 4" in result.stdout
+
+
+def test_corrupt_checkpoint_is_caught_by_its_checksum(two_checkpoints):
+    newest = two_checkpoints / "ckpt_8.pt"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte inside tensor data: torch.load alone would not notice
+    newest.write_bytes(bytes(data))
+    line = one_line_error(run_script(EIGHT_STEPS + ["--log_dir", str(two_checkpoints), "--resume", str(newest)]))
+    assert line == (f"error: checkpoint {newest} is corrupt (its sha256 differs from {newest}.sha256): "
+                    "resume from an older checkpoint")
+
+
+def test_a_different_shape_or_batch_is_refused_naming_each_field(two_checkpoints):
+    args = EIGHT_STEPS + ["--log_dir", str(two_checkpoints), "--resume", "auto", "--n_layer", "3",
+                          "--n_embd", "64", "--total_batch_size", "512"]
+    line = one_line_error(run_script(args))
+    assert line == (f"error: cannot resume from {two_checkpoints / 'ckpt_8.pt'}: n_layer 2 -> 3, n_embd 32 -> 64, "
+                    "total_batch_size 256 -> 512 (the checkpoint's model shape, total batch and seq_len define its "
+                    "weights, schedule and data position): use the checkpoint's values")
+
+
+def test_missing_checkpoint_path(tmp_path):
+    line = one_line_error(run_script(EIGHT_STEPS + ["--log_dir", str(tmp_path), "--resume", str(tmp_path / "x.pt")]))
+    assert line == f"error: --resume {tmp_path / 'x.pt'}: no such checkpoint file"
+
+
+def test_resume_auto_without_checkpoints_starts_fresh(tmp_path, capsys):
+    result = run(["--resume", "auto", "--max_steps", "3", "--warmup_steps", "1"], tmp_path)
+    assert f"--resume auto: no checkpoint in {tmp_path}, starting from scratch" in capsys.readouterr().out
+    assert [r["step"] for r in result.records if "train_loss" in r] == [0, 1, 2]
+
+
+def start_training(args):
+    return subprocess.Popen([sys.executable, "-u"] + args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, **ONE_THREAD})
+
+
+def wait_for_line(process, text, timeout=120):
+    deadline, seen = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        seen.append(line)
+        if text in line:
+            return seen
+    raise AssertionError(f"{text!r} never printed: {''.join(seen)}")
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path):
+    args = TINY_ARGS + ["--max_steps", "100000", "--ckpt_every", "0", "--log_dir", str(tmp_path)]
+    process = start_training(["train_gpt2.py"] + args)
+    wait_for_line(process, "step     2/100000")
+    process.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err
+    assert time.monotonic() - signalled < 10
+    stop_line = [line for line in out.splitlines() if line.startswith("stopped by a signal")][0]
+    stopped_after = int(stop_line.split("after step ")[1].split(",")[0])
+    assert stopped_after <= 4  # the step in progress, or the one after it
+    assert stop_line.endswith(f"ckpt_{stopped_after + 1}.pt written: to continue, run the same command with "
+                              "--resume auto")
+    assert [p.name for p in tmp_path.glob("ckpt_*.pt")] == [f"ckpt_{stopped_after + 1}.pt"]
+    resumed = run_script(args + ["--resume", "auto", "--stop_after_steps", "1"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from step {stopped_after + 1}" in resumed.stdout
+    assert f"step {stopped_after + 1:5d}/100000 | loss" in resumed.stdout
+
+
+def test_sigterm_to_torchrun_checkpoints_once_and_every_rank_exits_cleanly(tmp_path):
+    args = TINY_ARGS + ["--max_steps", "100000", "--ckpt_every", "0", "--log_dir", str(tmp_path)]
+    process = start_training(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              "train_gpt2.py"] + args)
+    wait_for_line(process, "step     2/100000")
+    process.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
+    out, err = process.communicate(timeout=60)
+    assert out.count("stopped by a signal") == 1, out + err
+    assert len(list(tmp_path.glob("ckpt_*.pt"))) == 1
+    assert "exitcode  : 1" not in err and "Traceback (most recent call last):\n  File \"" + str(ROOT) not in err
