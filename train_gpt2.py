@@ -113,6 +113,14 @@ class TrainConfig:
         default=989.0,
         metadata={"help": "device peak TFLOP/s for MFU: 989 is the H100 SXM dense bf16 datasheet figure"},
     )
+    # where the weights come from, and what to do with them
+    init_from: str = field(
+        default="", metadata={"help": "start from gpt2, gpt2-medium, gpt2-large or gpt2-xl (OpenAI's weights, "
+                              "through transformers) or a checkpoint path; its shape replaces the shape flags"}
+    )
+    eval_only: bool = field(default=False, metadata={"help": "print the val loss and HellaSwag accuracy, then exit"})
+    generate: bool = field(default=False, metadata={"help": "print --num_samples continuations of --prompt, then exit"})
+    kv_cache: bool = field(default=True, metadata={"help": "generate with a key/value cache (same tokens, faster)"})
     # evaluation and logging
     eval_every: int = field(default=250, metadata={"help": "validation loss every N steps and at the end; 0: never"})
     eval_steps: int = field(
@@ -124,6 +132,13 @@ class TrainConfig:
     temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
     top_k: int = field(default=50, metadata={"help": "sample among the k most likely tokens"})
     prompt: str = field(default="Hello, I'm a language model,", metadata={"help": "text the samples continue"})
+    hellaswag_every: int = field(
+        default=0, metadata={"help": "HellaSwag validation accuracy (10,042 examples) every N steps and at the end; "
+                             "0: never"}
+    )
+    hellaswag_path: str = field(
+        default="", metadata={"help": "hellaswag_val.jsonl; empty: download it once to ~/.cache/train_gpt2/"}
+    )
     log_dir: str = field(default="log", metadata={"help": "folder for metrics.jsonl and checkpoints"})
     # checkpoints
     ckpt_every: int = field(
@@ -157,8 +172,9 @@ def parse_args(argv: list[str]) -> TrainConfig:
         flag, help_text = f"--{config_field.name}", config_field.metadata["help"]
         if "(default" not in help_text:
             help_text += f" (default: {config_field.default})"
-        if config_field.type == (bool | None):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+        if config_field.type in (bool, bool | None):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=config_field.default,
+                                help=help_text)
         else:
             value_type = [t for t in typing.get_args(config_field.type) if t is not type(None)] or [config_field.type]
             parser.add_argument(flag, type=value_type[0], default=config_field.default, help=help_text)
@@ -212,6 +228,17 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError("--ckpt_every, --keep_ckpts and --stop_after_steps must be 0 or more")
     if cfg.top_k < 1 or cfg.temperature <= 0:
         raise ConfigError(f"--top_k ({cfg.top_k}) must be at least 1 and --temperature ({cfg.temperature}) above 0")
+    if cfg.init_from and cfg.init_from not in MODEL_SHAPES and not os.path.isfile(cfg.init_from):
+        raise ConfigError(f"--init_from {cfg.init_from} is neither {', '.join(MODEL_SHAPES)} nor a checkpoint file")
+    explicit_shape = [f"--{n}" for n in ("n_layer", "n_head", "n_embd") if getattr(cfg, n) is not None]
+    if cfg.init_from and explicit_shape:
+        raise ConfigError(f"--init_from {cfg.init_from} sets the model's shape: drop {' '.join(explicit_shape)}")
+    if cfg.generate and (cfg.eval_only or world_size > 1):
+        raise ConfigError("--generate runs alone in one process: drop --eval_only, and use python, not torchrun")
+    if cfg.hellaswag_path and not os.path.isfile(cfg.hellaswag_path):
+        raise ConfigError(f"--hellaswag_path {cfg.hellaswag_path} does not exist: give hellaswag_val.jsonl's path")
+    if cfg.generate:
+        return  # needs no data
     if cfg.data_dir:
         for split in ("train", "val"):
             find_shards(cfg.data_dir, split)
@@ -231,6 +258,20 @@ class GPTConfig:
     vocab_size: int = 50304
 
 
+class KVCache:
+    """Keys and values of the tokens seen so far, for generation: each new token then costs one position.
+
+    layers[i] is layer i's (k, v), each (B, n_head, length, head_dim), or None before the first call.
+    """
+
+    def __init__(self, n_layer: int):
+        self.layers = [None] * n_layer
+
+    @property
+    def length(self) -> int:
+        return 0 if self.layers[0] is None else self.layers[0][0].size(2)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -238,12 +279,19 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key, value in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x):
+    def forward(self, x, cache: KVCache | None = None, layer: int = 0):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if cache is not None:
+            if cache.layers[layer] is not None:
+                if T != 1:
+                    raise ValueError("a filled KV cache takes one new token at a time")
+                k, v = (torch.cat([past, new], dim=2) for past, new in zip(cache.layers[layer], (k, v)))
+            cache.layers[layer] = (k, v)
+        # T new queries over all keys: causal among themselves; a single new token sees every key
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.c_proj(y)
 
@@ -269,8 +317,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+    def forward(self, x, cache: KVCache | None = None, layer: int = 0):
+        x = x + self.attn(self.ln_1(x), cache, layer)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -303,15 +351,17 @@ class GPT(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None):
-        """idx (B, T) token ids. Returns logits (B, T, vocab_size), or the mean loss if targets (B, T) is given."""
+    def forward(self, idx, targets=None, cache: KVCache | None = None):
+        """idx (B, T) token ids, following the cache's tokens if one is given. Returns logits (B, T, vocab_size),
+        or the mean loss if targets (B, T) is given."""
         B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence of {T} tokens is longer than block_size {self.config.block_size}")
-        positions = torch.arange(T, device=idx.device)
+        start = cache.length if cache is not None else 0
+        if start + T > self.config.block_size:
+            raise ValueError(f"sequence of {start + T} tokens is longer than block_size {self.config.block_size}")
+        positions = torch.arange(start, start + T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, n_embd)
-        for block in self.transformer.h:
-            x = block(x)
+        for layer, block in enumerate(self.transformer.h):
+            x = block(x, cache, layer)
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab_size)
         if targets is None:
             return logits
@@ -336,16 +386,15 @@ def gpt2_tokenizer():
     return tiktoken.get_encoding("gpt2")
 
 
-def download_text(url: str, path: str) -> None:
+def download(url: str, path: str, fix: str) -> None:
     """Fetch url into path through a temporary file, so an interrupted download leaves nothing behind."""
     temporary = f"{path}.part"
     try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with urllib.request.urlopen(url, timeout=30) as response, open(temporary, "wb") as out:
             out.write(response.read())
     except OSError as error:
-        raise ConfigError(
-            f"could not download {url} to {path} ({error}): put a text file there or pass --text_file or --data_dir"
-        ) from None
+        raise ConfigError(f"could not download {url} to {path} ({error}): {fix}") from None
     os.replace(temporary, path)
 
 
@@ -587,21 +636,156 @@ def estimate_val_loss(model, loader: DataLoader, eval_steps: int, accum_steps: i
 
 @torch.no_grad()
 def generate(model: GPT, prompt_tokens: list[int], num_samples: int, max_new_tokens: int, temperature: float,
-             top_k: int, seed: int, device: str, autocast) -> list[list[int]]:
-    """Sample num_samples continuations; a private generator keeps the training RNG untouched and the text seeded."""
+             top_k: int, seed: int, device: str, autocast, use_cache: bool = True) -> list[list[int]]:
+    """Sample num_samples continuations; a private generator keeps the training RNG untouched and the text seeded.
+
+    With use_cache, the first call reads the prompt and each later call only the newest token, until the text
+    outgrows block_size; from there (and without the cache) each token rereads the last block_size tokens.
+    """
     model.eval()
     tokens = torch.tensor(prompt_tokens, device=device).repeat(num_samples, 1)  # (num_samples, prompt length)
     generator = torch.Generator(device=device).manual_seed(seed)
     real_vocab = min(model.config.vocab_size, GPT2_VOCAB_SIZE)  # never sample a padding row
+    cache = KVCache(model.config.n_layer) if use_cache else None
     for _ in range(max_new_tokens):
         with autocast():
-            logits = model(tokens[:, -model.config.block_size :])
+            if cache is not None and tokens.size(1) <= model.config.block_size:
+                logits = model(tokens[:, cache.length :], cache=cache)
+            else:
+                logits = model(tokens[:, -model.config.block_size :])
         logits = logits[:, -1, :real_vocab].float() / temperature  # (num_samples, real_vocab)
         top_logits, top_ids = torch.topk(logits, min(top_k, real_vocab), dim=-1)
         choice = torch.multinomial(F.softmax(top_logits, dim=-1), 1, generator=generator)  # (num_samples, 1)
         tokens = torch.cat([tokens, torch.gather(top_ids, -1, choice)], dim=1)
     model.train()
     return tokens[:, len(prompt_tokens) :].tolist()
+
+
+HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+HELLASWAG_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "train_gpt2", "hellaswag_val.jsonl")
+
+
+def read_hellaswag(path: str) -> list[dict]:
+    """The original jsonl records: a context "ctx", 4 "endings", the right one's index "label"."""
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            try:
+                record = json.loads(line)
+                valid = isinstance(record["ctx"], str) and len(record["endings"]) == 4 and record["label"] in range(4)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                valid = False
+            if not valid:
+                raise ConfigError(f"{path} line {line_number} is not a HellaSwag record (ctx, 4 endings, label 0-3)")
+            examples.append(record)
+    return examples
+
+
+def render_hellaswag(example: dict, tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """tokens (4, L): the context followed by each ending, zero-padded; mask (4, L): 1 on ending tokens only."""
+    context = tokenizer.encode_ordinary(example["ctx"])
+    rows = [context + tokenizer.encode_ordinary(" " + ending) for ending in example["endings"]]
+    tokens = torch.zeros(4, max(len(row) for row in rows), dtype=torch.long)
+    mask = torch.zeros_like(tokens)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)] = torch.tensor(row)
+        mask[i, len(context) : len(row)] = 1
+    return tokens, mask, int(example["label"])
+
+
+@torch.no_grad()
+def hellaswag_choices(model, tokens: torch.Tensor, mask: torch.Tensor, autocast) -> tuple[int, int]:
+    """The ending with the lowest summed loss (acc) and with the lowest mean loss per token (acc_norm)."""
+    with autocast():
+        logits = model(tokens)  # (4, L, vocab)
+    # position i predicts token i + 1, so the ending's losses sit where mask[:, 1:] is 1
+    losses = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
+    ending = mask[:, 1:].float()
+    summed = (losses.view_as(ending) * ending).sum(dim=1)  # (4,)
+    return int(summed.argmin()), int((summed / ending.sum(dim=1)).argmin())
+
+
+def evaluate_hellaswag(model: GPT, examples: list[dict], tokenizer, device: str, autocast, launch: Launch) -> dict:
+    """Accuracy over all examples; rank r scores examples r, r + W, ... and the counts are summed over ranks."""
+    model.eval()
+    counts = torch.zeros(3, device=device)  # examples, right by summed loss, right by mean loss
+    for example in examples[launch.rank :: launch.world_size]:
+        tokens, mask, label = render_hellaswag(example, tokenizer)
+        by_sum, by_mean = hellaswag_choices(model, tokens.to(device), mask.to(device), autocast)
+        counts += torch.tensor([1.0, by_sum == label, by_mean == label], device=device)
+    model.train()
+    if launch.torchrun:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    total, right, right_norm = counts.tolist()
+    return {"hellaswag_examples": int(total), "hellaswag_acc": right / total, "hellaswag_acc_norm": right_norm / total}
+
+
+def plot_metrics(metrics_path: str, png_path: str) -> bool:
+    """Train and val loss against step, HellaSwag acc_norm on a second axis; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only, no window
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    with open(metrics_path) as f:
+        records = [json.loads(line) for line in f]
+
+    def series(key):
+        return [r["step"] for r in records if key in r], [r[key] for r in records if key in r]
+
+    figure, loss_axis = plt.subplots(figsize=(9, 5))
+    loss_axis.plot(*series("train_loss"), label="train loss", linewidth=1)
+    loss_axis.plot(*series("val_loss"), "o-", label="val loss")
+    loss_axis.set_xlabel("step")
+    loss_axis.set_ylabel("loss")
+    loss_axis.legend(loc="upper left")
+    if series("hellaswag_acc_norm")[0]:
+        accuracy_axis = loss_axis.twinx()
+        accuracy_axis.plot(*series("hellaswag_acc_norm"), "s-", color="tab:green", label="HellaSwag acc_norm")
+        accuracy_axis.set_ylabel("HellaSwag acc_norm")
+        accuracy_axis.legend(loc="upper right")
+    figure.savefig(f"{png_path}.tmp.png", dpi=100)
+    plt.close(figure)
+    os.replace(f"{png_path}.tmp.png", png_path)
+    return True
+
+
+# ----------------------------------------------------------------------------- weights to start from
+
+# OpenAI's checkpoint stores these as Conv1D weights, (in, out): nn.Linear wants (out, in)
+OPENAI_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def state_from_openai(hf_state: dict) -> dict:
+    """transformers' GPT2LMHeadModel state in our names (the same names; four matrices a block transposed)."""
+    return {name: tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor for name, tensor in hf_state.items()
+            if not name.endswith((".attn.bias", ".attn.masked_bias"))}  # causal-mask buffers of older versions
+
+
+def load_openai_weights(name: str) -> dict:
+    try:
+        from transformers import GPT2LMHeadModel  # only this path needs it
+    except ImportError:
+        raise ConfigError(f"--init_from {name} needs the transformers library: pip install transformers") from None
+    try:
+        return state_from_openai(GPT2LMHeadModel.from_pretrained(name).state_dict())
+    except OSError as error:
+        raise ConfigError(f"cannot load {name} from the Hugging Face hub ({str(error).splitlines()[0]}): "
+                          "check the network") from None
+
+
+def initial_weights(cfg: TrainConfig) -> tuple[GPTConfig, dict | None]:
+    """The model's shape and the weights to start from: None for a fresh model of the flags' shape."""
+    if not cfg.init_from:
+        n_layer, n_head, n_embd = model_shape(cfg)
+        return GPTConfig(n_layer, n_head, n_embd, cfg.block_size, cfg.vocab_size), None
+    if cfg.init_from in MODEL_SHAPES:
+        # as released: 1024 positions and the 50257 real tokens (no padding rows to make up)
+        return GPTConfig(*MODEL_SHAPES[cfg.init_from], 1024, GPT2_VOCAB_SIZE), load_openai_weights(cfg.init_from)
+    checkpoint = load_checkpoint(cfg.init_from)
+    return GPTConfig(**checkpoint["model_config"]), checkpoint["model"]
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -652,7 +836,7 @@ def save_checkpoint(path: str, state: dict, keep: int) -> None:
 
 def load_checkpoint(path: str) -> dict:
     if not os.path.isfile(path):
-        raise ConfigError(f"--resume {path}: no such checkpoint file")
+        raise ConfigError(f"no such checkpoint file: {path}")
     checksum_path = f"{path}.sha256"
     if os.path.exists(checksum_path):
         with open(checksum_path) as f:
@@ -682,10 +866,10 @@ def find_resume_checkpoint(cfg: TrainConfig, say) -> dict | None:
     return None
 
 
-def check_resumable(checkpoint: dict, cfg: TrainConfig) -> None:
-    saved, wanted = checkpoint["config"], dataclasses.asdict(cfg)
-    saved["n_layer"], saved["n_head"], saved["n_embd"] = model_shape(TrainConfig(**saved))
-    wanted["n_layer"], wanted["n_head"], wanted["n_embd"] = model_shape(cfg)
+def check_resumable(checkpoint: dict, cfg: TrainConfig, model_config: GPTConfig) -> None:
+    # the model's shape from its own config: the run config's shape flags may be empty (--model, --init_from)
+    saved = {**checkpoint["config"], **checkpoint["model_config"]}
+    wanted = {**dataclasses.asdict(cfg), **dataclasses.asdict(model_config)}
     differing = [f"{name} {saved[name]} -> {wanted[name]}" for name in RESUME_MUST_MATCH if saved[name] != wanted[name]]
     if differing:
         raise ConfigError(
@@ -772,7 +956,7 @@ class MetricsLog:
 
     def __init__(self, log_dir: str, active: bool):
         self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
-        self.records = []
+        self.records, self.plot_hint_given = [], False
         if active:
             os.makedirs(log_dir, exist_ok=True)
 
@@ -790,6 +974,13 @@ class MetricsLog:
     def say(self, line: str) -> None:
         if self.active:
             print(line, flush=True)
+
+    def plot(self) -> None:
+        """Redraw <log_dir>/loss.png from the records so far; without matplotlib, say so once."""
+        png_path = os.path.join(os.path.dirname(self.path), "loss.png")
+        if self.active and not plot_metrics(self.path, png_path) and not self.plot_hint_given:
+            self.say(f"{png_path} not written: matplotlib is not installed (pip install matplotlib)")
+            self.plot_hint_given = True
 
     def write(self, record: dict, line: str) -> None:
         if self.active:
@@ -837,38 +1028,128 @@ class TrainResult:
     records: list[dict]  # what rank 0 logged; empty on other ranks
 
 
-def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal) -> TrainResult:
-    device_type = device.split(":")[0]
-    is_main = launch.rank == 0
-    log = MetricsLog(cfg.log_dir, active=is_main)
-
-    # data: the text file is fetched once per machine, then every rank opens its streams
+def fetch_once_per_machine(path: str, url: str, fix: str, launch: Launch) -> None:
+    """Download url to path if it is missing: local rank 0 fetches it, the other ranks wait for it."""
     error = None
-    if launch.local_rank == 0 and not cfg.data_dir and not os.path.exists(cfg.text_file):
+    if launch.local_rank == 0 and not os.path.exists(path):
         try:
-            download_text(cfg.text_url, cfg.text_file)
+            download(url, path, fix)
         except ConfigError as download_error:
             error = download_error
     raise_if_any_rank_failed(error, launch)
+
+
+def open_data(cfg: TrainConfig, launch: Launch, with_val: bool) -> tuple[DataLoader, DataLoader | None]:
+    if not cfg.data_dir:
+        fetch_once_per_machine(cfg.text_file, cfg.text_url, "put a text file there or pass --text_file or --data_dir",
+                               launch)
+    error, loaders = None, (None, None)
     try:
         train_stream, val_stream = load_token_streams(cfg)
         B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
         windows_per_step = cfg.total_batch_size // T
         shuffle = cfg.shuffle if cfg.shuffle is not None else bool(cfg.data_dir)
-        train_loader = DataLoader(train_stream, B, T, launch.rank, W, windows_per_step, shuffle, cfg.seed, "training")
-        # validation: in order, the same windows every time; all the evaluation's steps must fit
-        val_loader = (DataLoader(val_stream, B, T, launch.rank, W, windows_per_step * cfg.eval_steps, False, cfg.seed,
-                                 "validation") if cfg.eval_every else None)
+        loaders = (
+            DataLoader(train_stream, B, T, launch.rank, W, windows_per_step, shuffle, cfg.seed, "training"),
+            # validation: in order, the same windows every time; all the evaluation's steps must fit
+            DataLoader(val_stream, B, T, launch.rank, W, windows_per_step * cfg.eval_steps, False, cfg.seed,
+                       "validation") if with_val else None,
+        )
     except ConfigError as data_error:
         error = data_error
     raise_if_any_rank_failed(error, launch)
+    return loaders
+
+
+def open_hellaswag(cfg: TrainConfig, launch: Launch) -> list[dict]:
+    path = cfg.hellaswag_path or HELLASWAG_CACHE
+    fetch_once_per_machine(path, HELLASWAG_URL, "pass --hellaswag_path with a local copy", launch)
+    error, examples = None, []
+    try:
+        examples = read_hellaswag(path)
+    except ConfigError as read_error:
+        error = read_error
+    raise_if_any_rank_failed(error, launch)
+    return examples
+
+
+def build_model(cfg: TrainConfig, launch: Launch, device: str) -> GPT:
+    """Fresh weights from --seed (the same on every rank), or --init_from's."""
+    error, model_config, state = None, None, None
+    try:
+        model_config, state = initial_weights(cfg)
+        if not cfg.generate and cfg.seq_len > model_config.block_size:
+            raise ConfigError(f"--seq_len {cfg.seq_len} is longer than the model's {model_config.block_size} "
+                              "positions: lower --seq_len")
+    except ConfigError as weights_error:
+        error = weights_error
+    raise_if_any_rank_failed(error, launch)
+    torch.manual_seed(cfg.seed)
+    model = GPT(model_config)
+    if state is not None:
+        model.load_state_dict(state)
+    return model.to(device)
+
+
+def precision(cfg: TrainConfig, device_type: str):
+    """(dtype, autocast): a function that opens an autocast context for that dtype (off for float32)."""
+    dtype = resolve_dtype(cfg.dtype, device_type, device_type == "cuda" and torch.cuda.is_bf16_supported())
+    if device_type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 matmuls for what autocast leaves in float32
+
+    def autocast():
+        return torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
+
+    return dtype, autocast
+
+
+def generate_samples(cfg: TrainConfig, launch: Launch, device: str) -> list[str]:
+    """--generate: print the samples and how fast they came."""
+    model = build_model(cfg, launch, device)
+    _, autocast = precision(cfg, device.split(":")[0])
+    tokenizer = gpt2_tokenizer()
+    started = time.perf_counter()
+    samples = generate(model, tokenizer.encode_ordinary(cfg.prompt), cfg.num_samples, cfg.max_new_tokens,
+                       cfg.temperature, cfg.top_k, cfg.seed, device, autocast, use_cache=cfg.kv_cache)
+    elapsed = time.perf_counter() - started
+    texts = [cfg.prompt + tokenizer.decode(sample) for sample in samples]
+    for i, text in enumerate(texts):
+        print(f"sample {i}: {text}", flush=True)
+    print(f"{cfg.num_samples * cfg.max_new_tokens:,} tokens in {elapsed:.2f} s: "
+          f"{cfg.num_samples * cfg.max_new_tokens / elapsed:,.1f} tokens/s "
+          f"(KV cache {'on' if cfg.kv_cache else 'off'}, {count_parameters(model):,} parameters)", flush=True)
+    return texts
+
+
+def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
+    """--eval_only: the validation loss and HellaSwag accuracy of --init_from's weights (or fresh ones)."""
+    _, val_loader = open_data(cfg, launch, with_val=True)
+    examples = open_hellaswag(cfg, launch)
+    model = build_model(cfg, launch, device)
+    _, autocast = precision(cfg, device.split(":")[0])
+    accum_steps = grad_accum_steps(cfg, launch.world_size)
+    result = {"val_loss": estimate_val_loss(model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch),
+              **evaluate_hellaswag(model, examples, gpt2_tokenizer(), device, autocast, launch)}
+    if launch.rank == 0:
+        print(f"val loss {result['val_loss']:.4f} | HellaSwag acc_norm {result['hellaswag_acc_norm']:.4f} "
+              f"(acc {result['hellaswag_acc']:.4f}) over {result['hellaswag_examples']:,} examples", flush=True)
+    return result
+
+
+def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal) -> TrainResult:
+    device_type = device.split(":")[0]
+    is_main = launch.rank == 0
+    log = MetricsLog(cfg.log_dir, active=is_main)
+    train_loader, val_loader = open_data(cfg, launch, with_val=cfg.eval_every > 0)
+    hellaswag = open_hellaswag(cfg, launch) if cfg.hellaswag_every else []
+    raw_model = build_model(cfg, launch, device)
 
     # resume: every rank reads the checkpoint, and all must have found the same one
-    checkpoint = None
+    error, checkpoint = None, None
     try:
         checkpoint = find_resume_checkpoint(cfg, log.say)
         if checkpoint is not None:
-            check_resumable(checkpoint, cfg)
+            check_resumable(checkpoint, cfg, raw_model.config)
     except ConfigError as resume_error:
         error = resume_error
     raise_if_any_rank_failed(error, launch)
@@ -879,28 +1160,17 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
     start_step = checkpoint["step"] if checkpoint else 0
     log.begin(start_step if checkpoint else None)
 
-    # model: the same seed on every rank gives the same initial weights (DDP also broadcasts rank 0's)
-    torch.manual_seed(cfg.seed)
-    n_layer, n_head, n_embd = model_shape(cfg)
-    model_config = GPTConfig(n_layer, n_head, n_embd, cfg.block_size, cfg.vocab_size)
-    raw_model = GPT(model_config).to(device)
     num_params = count_parameters(raw_model)
     use_compile = cfg.compile if cfg.compile is not None else device_type == "cuda"
     model = torch.compile(raw_model) if use_compile else raw_model
     if launch.torchrun:
         model = DDP(model, device_ids=[launch.local_rank] if device_type == "cuda" else None)
-
-    dtype = resolve_dtype(cfg.dtype, device_type, device_type == "cuda" and torch.cuda.is_bf16_supported())
-    if device_type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 matmuls for what autocast leaves in float32
-
-    def autocast():
-        return torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
-
+    dtype, autocast = precision(cfg, device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)  # float16 needs loss scaling
     optimizer = configure_optimizer(raw_model, cfg, fused=device_type == "cuda")
+    B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
     accum_steps = grad_accum_steps(cfg, W)
-    flops_per_step = (flops_per_token(model_config, num_params, T) * cfg.total_batch_size
+    flops_per_step = (flops_per_token(raw_model.config, num_params, T) * cfg.total_batch_size
                       if device_type == "cuda" else None)
     if checkpoint is not None:
         raw_model.load_state_dict(checkpoint["model"])
@@ -914,7 +1184,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
     if is_main:
         print(f"device {device} ({str(dtype).removeprefix('torch.')}, compile {'on' if use_compile else 'off'}), "
               f"{W} process(es); {num_params:,} parameters; {cfg.total_batch_size:,} tokens per step = "
-              f"{accum_steps} micro-steps x {W} process(es) x {B} x {T}; {train_stream.num_tokens:,} train tokens",
+              f"{accum_steps} micro-steps x {W} process(es) x {B} x {T}; {train_loader.stream.num_tokens:,} train tokens",
               flush=True)
 
     step_ms, epoch = [], train_loader.epoch
@@ -948,12 +1218,21 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
             epoch = train_loader.epoch
             log.write({"step": step, "epoch": epoch},
                       f"step {step:5d}/{cfg.max_steps} | epoch {epoch} begins: all {train_loader.num_windows:,} "
-                      f"training windows were used, starting again{' in a new order' if shuffle else ''}")
+                      f"training windows were used, starting again{' in a new order' if train_loader.shuffle else ''}")
 
         steps_done, last_step = step + 1, step + 1 == cfg.max_steps
+        evaluated = False
         if cfg.eval_every and (steps_done % cfg.eval_every == 0 or last_step):
             val_loss = estimate_val_loss(model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)
             log.write({"step": step, "val_loss": val_loss}, f"step {step:5d}/{cfg.max_steps} | val loss {val_loss:.6f}")
+            evaluated = True
+        if cfg.hellaswag_every and (steps_done % cfg.hellaswag_every == 0 or last_step):
+            scores = evaluate_hellaswag(raw_model, hellaswag, tokenizer, device, autocast, launch)
+            log.write({"step": step, **scores}, f"step {step:5d}/{cfg.max_steps} | HellaSwag acc_norm "
+                      f"{scores['hellaswag_acc_norm']:.4f} (acc {scores['hellaswag_acc']:.4f})")
+            evaluated = True
+        if evaluated or last_step:
+            log.plot()
         if is_main and cfg.sample_every and (steps_done % cfg.sample_every == 0 or last_step):
             samples = generate(raw_model, tokenizer.encode(cfg.prompt), cfg.num_samples, cfg.max_new_tokens,
                                cfg.temperature, cfg.top_k, cfg.seed, device, autocast)
@@ -963,7 +1242,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
         stop = any_rank(stop_signal.requested, launch, device)
         pause = not last_step and cfg.stop_after_steps and steps_done - start_step == cfg.stop_after_steps
         if is_main and (last_step or stop or pause or cfg.ckpt_every and steps_done % cfg.ckpt_every == 0):
-            state = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(),
+            state = {"model": raw_model.state_dict(), "model_config": dataclasses.asdict(raw_model.config),
+                     "optimizer": optimizer.state_dict(),
                      "scaler": scaler.state_dict(), "step": steps_done, "config": dataclasses.asdict(cfg),
                      "windows_consumed": train_loader.windows_consumed, "rng": rng_states()}
             save_checkpoint(os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt"), state, cfg.keep_ckpts)
@@ -997,7 +1277,7 @@ def exit_on_user_error(error: ConfigError, launch: Launch) -> typing.NoReturn:
 
 
 @record  # under torchrun, the failure summary then names the failing rank and shows its traceback
-def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult:
+def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult | dict | list[str]:
     launch = launch or launch_from_env(os.environ)
     try:
         check_config(cfg, launch.world_size)
@@ -1008,7 +1288,12 @@ def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult:
     result = user_error = None
     try:
         with StopSignal() as stop_signal:
-            result = train(cfg, launch, device, stop_signal)
+            if cfg.generate:
+                result = generate_samples(cfg, launch, device)
+            elif cfg.eval_only:
+                result = evaluate_only(cfg, launch, device)
+            else:
+                result = train(cfg, launch, device, stop_signal)
     except ConfigError as error:  # raise_if_any_rank_failed raised it on every rank together
         user_error = error
     if launch.torchrun:

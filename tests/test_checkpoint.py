@@ -75,7 +75,10 @@ def test_resume_at_another_world_size_trains_on_the_same_tokens(tmp_path, first,
 def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):
     run(["--max_steps", "3", "--warmup_steps", "1"], tmp_path)
     checkpoint = torch.load(tmp_path / "ckpt_3.pt", weights_only=True)  # the safe loader reads it
-    assert set(checkpoint) == {"model", "optimizer", "scaler", "step", "config", "windows_consumed", "rng"}
+    assert set(checkpoint) == {"model", "model_config", "optimizer", "scaler", "step", "config", "windows_consumed",
+                               "rng"}
+    assert checkpoint["model_config"] == {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64,
+                                          "vocab_size": 50304}
     assert checkpoint["step"] == 3 and checkpoint["windows_consumed"] == 24
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in checkpoint["model"])
     assert checkpoint["config"]["n_embd"] == 32
@@ -137,7 +140,7 @@ def test_a_different_shape_or_batch_is_refused_naming_each_field(two_checkpoints
 
 def test_missing_checkpoint_path(tmp_path):
     line = one_line_error(run_script(EIGHT_STEPS + ["--log_dir", str(tmp_path), "--resume", str(tmp_path / "x.pt")]))
-    assert line == f"error: --resume {tmp_path / 'x.pt'}: no such checkpoint file"
+    assert line == f"error: no such checkpoint file: {tmp_path / 'x.pt'}"
 
 
 def test_resume_auto_without_checkpoints_starts_fresh(tmp_path, capsys):
