@@ -108,6 +108,16 @@ class TrainConfig:
                   "GradScaler; float32 on MPS and CPU), float32, bfloat16 or float16"},
     )
     compile: bool | None = field(default=None, metadata={"help": "torch.compile the model (default: on for CUDA only)"})
+    fp8: bool = field(
+        default=False,
+        metadata={"help": "train the blocks' linear layers in float8 through torchao (pip install torchao); needs an "
+                  "NVIDIA GPU of compute capability 8.9+ (Ada, Hopper)"},
+    )
+    loss_chunk_size: int | None = field(
+        default=None,
+        metadata={"help": "compute the loss over slices of this many tokens, so the full float32 logits never exist; "
+                  "0: plain loss over full logits (default: 0 with --compile, which fuses it, else 8192)"},
+    )
     seed: int = field(default=1337, metadata={"help": "seed for initialisation, shuffling and sampling"})
     peak_tflops: float = field(
         default=989.0,
@@ -224,6 +234,8 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"unknown --dtype {cfg.dtype!r}: choose auto, float32, bfloat16 or float16")
     if cfg.eval_every and cfg.eval_steps < 1:
         raise ConfigError(f"--eval_steps must be at least 1 when --eval_every is set, got {cfg.eval_steps}")
+    if cfg.loss_chunk_size is not None and cfg.loss_chunk_size < 0:
+        raise ConfigError(f"--loss_chunk_size must be 0 or more, got {cfg.loss_chunk_size}")
     if cfg.ckpt_every < 0 or cfg.keep_ckpts < 0 or cfg.stop_after_steps < 0:
         raise ConfigError("--ckpt_every, --keep_ckpts and --stop_after_steps must be 0 or more")
     if cfg.top_k < 1 or cfg.temperature <= 0:
@@ -338,6 +350,9 @@ class GPT(nn.Module):
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied input and output embeddings
+        # tokens per slice of the training loss; 0: the plain loss over full logits (torch.compile fuses that
+        # one into something better; without compile the chunked one saves memory)
+        self.loss_chunk_size = 0
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -362,10 +377,64 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, n_embd)
         for layer, block in enumerate(self.transformer.h):
             x = block(x, cache, layer)
-        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab_size)
+        x = self.transformer.ln_f(x)
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+            return self.lm_head(x)  # (B, T, vocab_size)
+        if self.loss_chunk_size:
+            return chunked_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.view(-1),
+                                         self.loss_chunk_size)
+        logits = self.lm_head(x)  # (B, T, vocab_size)
+        return F.cross_entropy(logits.float().view(B * T, -1), targets.view(-1))
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of logits = hidden @ weight.T, one slice of rows at a time.
+
+    Only one (chunk_size, vocab) slice of logits exists at once: at 64 x 1024 tokens the float32 logits of a
+    whole micro-batch would take 12.3 GB. The loss ends the graph, so each slice's gradients are computed
+    right away and backward only scales them by its incoming gradient: nothing is recomputed.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size: int, matmul_dtype: torch.dtype):
+        # hidden (N, C), weight (V, C), targets (N,)
+        wants_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        num_rows = hidden.size(0)
+        matmul_weight = weight.to(matmul_dtype)
+        loss_sum = torch.zeros((), device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if wants_grad else None
+        grad_weight = torch.zeros(weight.shape, device=weight.device) if wants_grad else None  # float32 sum
+        for start in range(0, num_rows, chunk_size):
+            rows = slice(start, start + chunk_size)
+            chunk_hidden = hidden[rows].to(matmul_dtype)
+            logits = (chunk_hidden @ matmul_weight.t()).float()  # (chunk, V): the only logits held
+            chunk_targets = targets[rows]
+            log_normalizer = torch.logsumexp(logits, dim=-1)
+            loss_sum += (log_normalizer - logits.gather(1, chunk_targets[:, None]).squeeze(1)).sum()
+            if wants_grad:
+                # d(mean loss)/d(logits) = (softmax - one_hot(target)) / N, computed in place over the logits
+                grad_logits = logits.sub_(log_normalizer[:, None]).exp_()
+                grad_logits[torch.arange(len(chunk_targets), device=logits.device), chunk_targets] -= 1.0
+                grad_logits = (grad_logits / num_rows).to(matmul_dtype)
+                grad_hidden[rows] = grad_logits @ matmul_weight
+                grad_weight += (grad_logits.t() @ chunk_hidden).float()
+        if wants_grad:
+            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
+        return loss_sum / num_rows
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None
+
+
+def chunked_cross_entropy(hidden, weight, targets, chunk_size: int):
+    """ChunkedCrossEntropy with the matmul in autocast's dtype when autocast is on, as lm_head would run."""
+    device_type = hidden.device.type
+    autocast_on = torch.is_autocast_enabled(device_type)
+    matmul_dtype = torch.get_autocast_dtype(device_type) if autocast_on else weight.dtype
+    with torch.autocast(device_type, enabled=False):  # the function casts for itself
+        return ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_size, matmul_dtype)
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -1088,7 +1157,36 @@ def build_model(cfg: TrainConfig, launch: Launch, device: str) -> GPT:
     model = GPT(model_config)
     if state is not None:
         model.load_state_dict(state)
+    if cfg.loss_chunk_size is not None:
+        model.loss_chunk_size = cfg.loss_chunk_size
+    else:
+        model.loss_chunk_size = 0 if compile_enabled(cfg, device) else 8192
     return model.to(device)
+
+
+def check_fp8_supported(device: str, capability: tuple[int, int] | None) -> None:
+    """capability: the CUDA device's (major, minor), None off CUDA."""
+    if capability is None or capability < (8, 9):
+        raise ConfigError(f"--fp8 needs an NVIDIA GPU with float8 matmuls (compute capability 8.9 or newer: Ada, "
+                          f"Hopper); this run is on {device}: drop --fp8")
+
+
+def convert_to_float8(model: GPT) -> None:
+    """Swap the blocks' nn.Linear layers for torchao's Float8Linear: matmuls in float8 with dynamic scales.
+
+    lm_head (tied to the embedding, feeding the loss) stays as it is; float8 matmuls need both dimensions
+    divisible by 16.
+    """
+    try:
+        from torchao.float8 import convert_to_float8_training  # only this path needs it
+    except ImportError:
+        raise ConfigError("--fp8 needs torchao: pip install torchao") from None
+    convert_to_float8_training(model.transformer, module_filter_fn=lambda module, name: (
+        isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0))
+
+
+def compile_enabled(cfg: TrainConfig, device: str) -> bool:
+    return cfg.compile if cfg.compile is not None else device.startswith("cuda")
 
 
 def precision(cfg: TrainConfig, device_type: str):
@@ -1161,7 +1259,9 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
     log.begin(start_step if checkpoint else None)
 
     num_params = count_parameters(raw_model)
-    use_compile = cfg.compile if cfg.compile is not None else device_type == "cuda"
+    if cfg.fp8:
+        convert_to_float8(raw_model)
+    use_compile = compile_enabled(cfg, device)
     model = torch.compile(raw_model) if use_compile else raw_model
     if launch.torchrun:
         model = DDP(model, device_ids=[launch.local_rank] if device_type == "cuda" else None)
@@ -1234,7 +1334,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
         if evaluated or last_step:
             log.plot()
         if is_main and cfg.sample_every and (steps_done % cfg.sample_every == 0 or last_step):
-            samples = generate(raw_model, tokenizer.encode(cfg.prompt), cfg.num_samples, cfg.max_new_tokens,
+            samples = generate(raw_model, tokenizer.encode_ordinary(cfg.prompt), cfg.num_samples, cfg.max_new_tokens,
                                cfg.temperature, cfg.top_k, cfg.seed, device, autocast)
             for i, sample in enumerate(samples):
                 print(f"sample {i}: {cfg.prompt}{tokenizer.decode(sample)}", flush=True)
@@ -1282,6 +1382,8 @@ def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult | dict |
     try:
         check_config(cfg, launch.world_size)
         device = pick_device(cfg.device, launch, torch.cuda.is_available(), torch.backends.mps.is_available())
+        if cfg.fp8:
+            check_fp8_supported(device, torch.cuda.get_device_capability(device) if device.startswith("cuda") else None)
     except ConfigError as error:
         exit_on_user_error(error, launch)
     init_distributed(launch, device)

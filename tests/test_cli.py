@@ -33,6 +33,8 @@ def one_line_error(result):
         (["--n_embd", "33"], "error: --n_embd 33 is not divisible by --n_head 2: pick a width that is"),
         (["--dtype", "float8"], "error: unknown --dtype 'float8': choose auto, float32, bfloat16 or float16"),
         (["--max_steps", "ten"], "error: argument --max_steps: invalid int value: 'ten' (see --help)"),
+        (["--fp8"], "error: --fp8 needs an NVIDIA GPU with float8 matmuls (compute capability 8.9 or newer: Ada, "
+                    "Hopper); this run is on cpu: drop --fp8"),
         (["--learning_rate", "1"], "error: unrecognized arguments: --learning_rate 1 (see --help)"),
     ],
 )

@@ -72,3 +72,73 @@ def test_flops_per_token_of_gpt2_is_about_860_million():
     flops = t.flops_per_token(config, 124_475_904, seq_len=1024)
     assert flops == 6 * 124_475_904 + 12 * 12 * 1024 * 768
     assert round(flops / 1e6) == 860
+
+
+def loss_and_gradients(chunk_size, autocast_dtype=None):
+    model = tiny_model(vocab_size=300)
+    model.loss_chunk_size = chunk_size
+    generator = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 300, (3, 16), generator=generator), torch.randint(0, 300, (3, 16), generator=generator)
+    with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        loss = model(x, y)
+    (2.5 * loss).backward()  # a non-unit incoming gradient, as under accumulation
+    return loss, {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("chunk_size", [7, 16, 48])  # uneven last chunk, one row of 16, all 48 tokens at once
+def test_chunked_loss_equals_the_plain_loss_and_gradients(chunk_size):
+    plain_loss, plain_grads = loss_and_gradients(0)
+    chunked_loss, chunked_grads = loss_and_gradients(chunk_size)
+    torch.testing.assert_close(chunked_loss, plain_loss, rtol=1e-6, atol=0)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_chunked_loss_under_bf16_autocast_matches_within_bf16_rounding():
+    plain_loss, plain_grads = loss_and_gradients(0, torch.bfloat16)
+    chunked_loss, chunked_grads = loss_and_gradients(7, torch.bfloat16)
+    torch.testing.assert_close(chunked_loss, plain_loss, rtol=1e-5, atol=0)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=2e-2, atol=8e-3, msg=name)  # bf16: 8 bits
+
+
+def test_chunked_loss_without_gradients_is_the_plain_loss():
+    model = tiny_model(vocab_size=300)
+    x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        plain = model(x, y)
+        model.loss_chunk_size = 5
+        torch.testing.assert_close(model(x, y), plain, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("flags, expected", [([], 8192), (["--compile"], 0), (["--loss_chunk_size", "0"], 0),
+                                             (["--compile", "--loss_chunk_size", "4096"], 4096)])
+def test_the_loss_is_chunked_unless_compile_fuses_it(flags, expected):
+    cfg = t.parse_args(["--n_layer", "1", "--n_head", "1", "--n_embd", "8", "--generate"] + flags)
+    assert t.build_model(cfg, t.Launch(), "cpu").loss_chunk_size == expected
+
+
+def test_fp8_is_refused_without_a_float8_gpu():
+    with pytest.raises(t.ConfigError, match=r"^--fp8 needs an NVIDIA GPU with float8 matmuls \(compute capability 8.9 "
+                                            r"or newer: Ada, Hopper\); this run is on cpu: drop --fp8$"):
+        t.check_fp8_supported("cpu", None)
+    with pytest.raises(t.ConfigError, match="this run is on cuda:0"):
+        t.check_fp8_supported("cuda:0", (8, 0))  # A100: bf16 only
+    t.check_fp8_supported("cuda:0", (9, 0))  # H100
+
+
+def test_fp8_conversion_swaps_the_block_linears_and_still_trains():
+    """The float8 path as --fp8 takes it on a GPU; torchao's Float8Linear also runs (emulated) on CPU."""
+    pytest.importorskip("torchao")
+    model, reference = tiny_model(vocab_size=64), tiny_model(vocab_size=64)
+    t.convert_to_float8(model)
+    converted = {name for name, module in model.named_modules() if type(module).__name__ == "Float8Linear"}
+    assert converted == {f"transformer.h.{i}.{m}" for i in range(2) for m in ("attn.c_attn", "attn.c_proj",
+                                                                            "mlp.c_fc", "mlp.c_proj")}
+    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.transformer.wte.weight
+    assert model.state_dict().keys() == reference.state_dict().keys()  # checkpoints keep plain names
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    loss = model(x, y)
+    loss.backward()
+    assert abs(loss.item() - reference(x, y).item()) < 0.05  # float8 rounding, same function
+    assert model.transformer.h[0].mlp.c_fc.weight.grad.abs().sum() > 0
