@@ -4,7 +4,8 @@
     torchrun --standalone --nproc_per_node=8 train_gpt2.py     # one machine, 8 processes
 
 The file reads top to bottom in the order data flows: config, model, data, distributed setup,
-optimizer and schedule, evaluation, training loop, main. `python train_gpt2.py --help` lists
+optimizer and schedule, evaluation, weights to start from, checkpoints, run setup, logging, the
+training loop, other run modes (--generate, --eval_only), main. `python train_gpt2.py --help` lists
 every flag.
 """
 
@@ -581,8 +582,9 @@ class DataLoader:
 
 # ----------------------------------------------------------------------------- distributed setup
 
-# Backstop for a collective whose peer never arrives. Rank 0 alone runs sampling between collectives,
-# so this must exceed the longest such pause; a crashed peer is detected in about a second anyway.
+# Backstop for a collective whose peer never arrives. Rank 0 alone samples and writes checkpoints
+# between collectives (10 s for 124M, minutes for gpt2-xl), so this must exceed the longest such
+# pause; a crashed peer is detected in about a second anyway.
 DIST_TIMEOUT = datetime.timedelta(minutes=20)
 
 
@@ -999,102 +1001,7 @@ def any_rank(flag: bool, launch: Launch, device: str) -> bool:
     return bool(value.item())
 
 
-# ----------------------------------------------------------------------------- training loop
-
-
-def resolve_dtype(requested: str, device_type: str, bf16_supported: bool) -> torch.dtype:
-    if requested == "auto":
-        if device_type != "cuda":
-            return torch.float32
-        return torch.bfloat16 if bf16_supported else torch.float16
-    return getattr(torch, requested)
-
-
-def peak_memory_gib(device_type: str) -> float:
-    """Peak GPU memory allocated on CUDA; peak resident memory of this process elsewhere."""
-    if device_type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
-    import resource  # Unix only; ru_maxrss is in KiB on Linux and in bytes on macOS
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (2**30 if sys.platform == "darwin" else 2**20)
-
-
-class MetricsLog:
-    """Prints and appends JSON records to <log_dir>/metrics.jsonl; silent on every rank but 0."""
-
-    def __init__(self, log_dir: str, active: bool):
-        self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
-        self.records, self.plot_hint_given = [], False
-        if active:
-            os.makedirs(log_dir, exist_ok=True)
-
-    def begin(self, resume_step: int | None) -> None:
-        """A new run starts an empty file; a resumed one keeps the records of the steps before resume_step."""
-        if not self.active:
-            return
-        kept = []
-        if resume_step is not None and os.path.exists(self.path):
-            with open(self.path) as f:
-                kept = [line for line in f if json.loads(line).get("step", resume_step) < resume_step]
-        with open(self.path, "w") as f:
-            f.writelines(kept)
-
-    def say(self, line: str) -> None:
-        if self.active:
-            print(line, flush=True)
-
-    def plot(self) -> None:
-        """Redraw <log_dir>/loss.png from the records so far; without matplotlib, say so once."""
-        png_path = os.path.join(os.path.dirname(self.path), "loss.png")
-        if self.active and not plot_metrics(self.path, png_path) and not self.plot_hint_given:
-            self.say(f"{png_path} not written: matplotlib is not installed (pip install matplotlib)")
-            self.plot_hint_given = True
-
-    def write(self, record: dict, line: str) -> None:
-        if self.active:
-            self.say(line)
-            self.records.append(record)
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-
-def step_summary(step_ms: list[float], tokens_per_step: int, flops_per_step: float | None, cfg: TrainConfig,
-                 device_type: str) -> dict:
-    """Median speed over the steps after the first 3 (compilation and allocator warmup), peak memory."""
-    timed = step_ms[3:] or step_ms
-    median_ms = statistics.median(timed)
-    summary = {"timed_steps": len(timed), "median_ms": median_ms, "median_tokens_per_s": tokens_per_step * 1000 / median_ms,
-               "peak_memory_gib": peak_memory_gib(device_type)}
-    if flops_per_step is not None:
-        summary["mfu"] = flops_per_step * 1000 / median_ms / (cfg.peak_tflops * 1e12)
-    return summary
-
-
-def forward_backward(model, loader: DataLoader, accum_steps: int, device: str, autocast, scaler,
-                     sync_last_only: bool) -> torch.Tensor:
-    """Accumulate one step's mean gradient over accum_steps micro-batches; returns this rank's mean loss.
-
-    A DDP model all-reduces gradients during every backward; sync_last_only skips that on all but the
-    last micro-step, which then reduces the accumulated sum once (same result, 1/accum_steps the traffic).
-    """
-    loss_sum = torch.zeros((), device=device)
-    for micro_step in range(accum_steps):
-        x, y = loader.next_batch()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        skip_sync = sync_last_only and micro_step < accum_steps - 1
-        with model.no_sync() if skip_sync else contextlib.nullcontext():
-            with autocast():
-                loss = model(x, y) / accum_steps  # the step's loss is the mean over micro-steps, not the sum
-            scaler.scale(loss).backward()
-        loss_sum += loss.detach()
-    return loss_sum
-
-
-@dataclass
-class TrainResult:
-    model: GPT  # the plain model: no DDP or compile wrapper
-    records: list[dict]  # what rank 0 logged; empty on other ranks
+# ----------------------------------------------------------------------------- run setup
 
 
 def fetch_once_per_machine(path: str, url: str, fix: str, launch: Launch) -> None:
@@ -1164,6 +1071,10 @@ def build_model(cfg: TrainConfig, launch: Launch, device: str) -> GPT:
     return model.to(device)
 
 
+def compile_enabled(cfg: TrainConfig, device: str) -> bool:
+    return cfg.compile if cfg.compile is not None else device.startswith("cuda")
+
+
 def check_fp8_supported(device: str, capability: tuple[int, int] | None) -> None:
     """capability: the CUDA device's (major, minor), None off CUDA."""
     if capability is None or capability < (8, 9):
@@ -1185,8 +1096,12 @@ def convert_to_float8(model: GPT) -> None:
         isinstance(module, nn.Linear) and module.in_features % 16 == 0 and module.out_features % 16 == 0))
 
 
-def compile_enabled(cfg: TrainConfig, device: str) -> bool:
-    return cfg.compile if cfg.compile is not None else device.startswith("cuda")
+def resolve_dtype(requested: str, device_type: str, bf16_supported: bool) -> torch.dtype:
+    if requested == "auto":
+        if device_type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if bf16_supported else torch.float16
+    return getattr(torch, requested)
 
 
 def precision(cfg: TrainConfig, device_type: str):
@@ -1201,37 +1116,97 @@ def precision(cfg: TrainConfig, device_type: str):
     return dtype, autocast
 
 
-def generate_samples(cfg: TrainConfig, launch: Launch, device: str) -> list[str]:
-    """--generate: print the samples and how fast they came."""
-    model = build_model(cfg, launch, device)
-    _, autocast = precision(cfg, device.split(":")[0])
-    tokenizer = gpt2_tokenizer()
-    started = time.perf_counter()
-    samples = generate(model, tokenizer.encode_ordinary(cfg.prompt), cfg.num_samples, cfg.max_new_tokens,
-                       cfg.temperature, cfg.top_k, cfg.seed, device, autocast, use_cache=cfg.kv_cache)
-    elapsed = time.perf_counter() - started
-    texts = [cfg.prompt + tokenizer.decode(sample) for sample in samples]
-    for i, text in enumerate(texts):
-        print(f"sample {i}: {text}", flush=True)
-    print(f"{cfg.num_samples * cfg.max_new_tokens:,} tokens in {elapsed:.2f} s: "
-          f"{cfg.num_samples * cfg.max_new_tokens / elapsed:,.1f} tokens/s "
-          f"(KV cache {'on' if cfg.kv_cache else 'off'}, {count_parameters(model):,} parameters)", flush=True)
-    return texts
+# ----------------------------------------------------------------------------- logging
 
 
-def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
-    """--eval_only: the validation loss and HellaSwag accuracy of --init_from's weights (or fresh ones)."""
-    _, val_loader = open_data(cfg, launch, with_val=True)
-    examples = open_hellaswag(cfg, launch)
-    model = build_model(cfg, launch, device)
-    _, autocast = precision(cfg, device.split(":")[0])
-    accum_steps = grad_accum_steps(cfg, launch.world_size)
-    result = {"val_loss": estimate_val_loss(model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch),
-              **evaluate_hellaswag(model, examples, gpt2_tokenizer(), device, autocast, launch)}
-    if launch.rank == 0:
-        print(f"val loss {result['val_loss']:.4f} | HellaSwag acc_norm {result['hellaswag_acc_norm']:.4f} "
-              f"(acc {result['hellaswag_acc']:.4f}) over {result['hellaswag_examples']:,} examples", flush=True)
-    return result
+class MetricsLog:
+    """Prints and appends JSON records to <log_dir>/metrics.jsonl; silent on every rank but 0."""
+
+    def __init__(self, log_dir: str, active: bool):
+        self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
+        self.records, self.plot_hint_given = [], False
+        if active:
+            os.makedirs(log_dir, exist_ok=True)
+
+    def begin(self, resume_step: int | None) -> None:
+        """A new run starts an empty file; a resumed one keeps the records of the steps before resume_step."""
+        if not self.active:
+            return
+        kept = []
+        if resume_step is not None and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if json.loads(line).get("step", resume_step) < resume_step]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+
+    def say(self, line: str) -> None:
+        if self.active:
+            print(line, flush=True)
+
+    def plot(self) -> None:
+        """Redraw <log_dir>/loss.png from the records so far; without matplotlib, say so once."""
+        png_path = os.path.join(os.path.dirname(self.path), "loss.png")
+        if self.active and not plot_metrics(self.path, png_path) and not self.plot_hint_given:
+            self.say(f"{png_path} not written: matplotlib is not installed (pip install matplotlib)")
+            self.plot_hint_given = True
+
+    def write(self, record: dict, line: str) -> None:
+        if self.active:
+            self.say(line)
+            self.records.append(record)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def peak_memory_gib(device_type: str) -> float:
+    """Peak GPU memory allocated on CUDA; peak resident memory of this process elsewhere."""
+    if device_type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**30
+    import resource  # Unix only; ru_maxrss is in KiB on Linux and in bytes on macOS
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / (2**30 if sys.platform == "darwin" else 2**20)
+
+
+def step_summary(step_ms: list[float], tokens_per_step: int, flops_per_step: float | None, cfg: TrainConfig,
+                 device_type: str) -> dict:
+    """Median speed over the steps after the first 3 (compilation and allocator warmup), peak memory."""
+    timed = step_ms[3:] or step_ms
+    median_ms = statistics.median(timed)
+    summary = {"timed_steps": len(timed), "median_ms": median_ms, "median_tokens_per_s": tokens_per_step * 1000 / median_ms,
+               "peak_memory_gib": peak_memory_gib(device_type)}
+    if flops_per_step is not None:
+        summary["mfu"] = flops_per_step * 1000 / median_ms / (cfg.peak_tflops * 1e12)
+    return summary
+
+
+# ----------------------------------------------------------------------------- training loop
+
+
+def forward_backward(model, loader: DataLoader, accum_steps: int, device: str, autocast, scaler,
+                     sync_last_only: bool) -> torch.Tensor:
+    """Accumulate one step's mean gradient over accum_steps micro-batches; returns this rank's mean loss.
+
+    A DDP model all-reduces gradients during every backward; sync_last_only skips that on all but the
+    last micro-step, which then reduces the accumulated sum once (same result, 1/accum_steps the traffic).
+    """
+    loss_sum = torch.zeros((), device=device)
+    for micro_step in range(accum_steps):
+        x, y = loader.next_batch()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        skip_sync = sync_last_only and micro_step < accum_steps - 1
+        with model.no_sync() if skip_sync else contextlib.nullcontext():
+            with autocast():
+                loss = model(x, y) / accum_steps  # the step's loss is the mean over micro-steps, not the sum
+            scaler.scale(loss).backward()
+        loss_sum += loss.detach()
+    return loss_sum
+
+
+@dataclass
+class TrainResult:
+    model: GPT  # the plain model: no DDP or compile wrapper
+    records: list[dict]  # what rank 0 logged; empty on other ranks
 
 
 def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal) -> TrainResult:
@@ -1365,6 +1340,42 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
         line += f"; MFU {100 * summary['mfu']:.1f}% of {cfg.peak_tflops:g} TFLOP/s"
     log.write({"summary": summary}, line)
     return TrainResult(raw_model, log.records)
+
+
+# ----------------------------------------------------------------------------- other run modes
+
+
+def generate_samples(cfg: TrainConfig, launch: Launch, device: str) -> list[str]:
+    """--generate: print the samples and how fast they came."""
+    model = build_model(cfg, launch, device)
+    _, autocast = precision(cfg, device.split(":")[0])
+    tokenizer = gpt2_tokenizer()
+    started = time.perf_counter()
+    samples = generate(model, tokenizer.encode_ordinary(cfg.prompt), cfg.num_samples, cfg.max_new_tokens,
+                       cfg.temperature, cfg.top_k, cfg.seed, device, autocast, use_cache=cfg.kv_cache)
+    elapsed = time.perf_counter() - started
+    texts = [cfg.prompt + tokenizer.decode(sample) for sample in samples]
+    for i, text in enumerate(texts):
+        print(f"sample {i}: {text}", flush=True)
+    print(f"{cfg.num_samples * cfg.max_new_tokens:,} tokens in {elapsed:.2f} s: "
+          f"{cfg.num_samples * cfg.max_new_tokens / elapsed:,.1f} tokens/s "
+          f"(KV cache {'on' if cfg.kv_cache else 'off'}, {count_parameters(model):,} parameters)", flush=True)
+    return texts
+
+
+def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
+    """--eval_only: the validation loss and HellaSwag accuracy of --init_from's weights (or fresh ones)."""
+    _, val_loader = open_data(cfg, launch, with_val=True)
+    examples = open_hellaswag(cfg, launch)
+    model = build_model(cfg, launch, device)
+    _, autocast = precision(cfg, device.split(":")[0])
+    accum_steps = grad_accum_steps(cfg, launch.world_size)
+    result = {"val_loss": estimate_val_loss(model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch),
+              **evaluate_hellaswag(model, examples, gpt2_tokenizer(), device, autocast, launch)}
+    if launch.rank == 0:
+        print(f"val loss {result['val_loss']:.4f} | HellaSwag acc_norm {result['hellaswag_acc_norm']:.4f} "
+              f"(acc {result['hellaswag_acc']:.4f}) over {result['hellaswag_examples']:,} examples", flush=True)
+    return result
 
 
 # ----------------------------------------------------------------------------- main

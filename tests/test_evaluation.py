@@ -147,6 +147,19 @@ def test_init_from_without_transformers_says_how_to_get_it(tmp_path):
     assert result.stderr.strip() == "error: --init_from gpt2 needs the transformers library: pip install transformers"
 
 
+def test_init_from_gpt2_offline_says_so_in_one_line(monkeypatch, capsys):
+    transformers = pytest.importorskip("transformers")
+
+    def offline(name):  # what from_pretrained raises when the hub cannot be reached and nothing is cached
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load the files of {name}.\nCheck your "
+                      "internet connection.")
+
+    monkeypatch.setattr(transformers.GPT2LMHeadModel, "from_pretrained", offline)
+    line = one_line_exit(capsys, ["--init_from", "gpt2", "--generate", "--device", "cpu"])
+    assert line == ("error: cannot load gpt2 from the Hugging Face hub (We couldn't connect to 'https://huggingface.co' "
+                    "to load the files of gpt2.): check the network")
+
+
 def test_init_from_our_checkpoint_and_generate(tmp_path):
     trained = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "3", "--log_dir", str(tmp_path)]))
     args = ["--init_from", str(tmp_path / "ckpt_3.pt"), "--generate", "--device", "cpu", "--num_samples", "2",
