@@ -153,7 +153,8 @@ class TrainConfig:
     log_dir: str = field(default="log", metadata={"help": "folder for metrics.jsonl and checkpoints"})
     # checkpoints
     ckpt_every: int = field(
-        default=1000, metadata={"help": "write <log_dir>/ckpt_<step>.pt every N steps and at the end; 0: only at the end"}
+        default=1000,
+        metadata={"help": "write <log_dir>/ckpt_<step>.pt every N steps and at the end; 0: only at the end"},
     )
     keep_ckpts: int = field(default=2, metadata={"help": "keep the N newest checkpoints; 0 keeps all"})
     stop_after_steps: int = field(
@@ -162,7 +163,8 @@ class TrainConfig:
                   "still runs to --max_steps; 0: train to --max_steps"},
     )
     resume: str = field(
-        default="", metadata={"help": "a checkpoint to continue from, or 'auto' for the newest readable one in --log_dir"}
+        default="",
+        metadata={"help": "a checkpoint to continue from, or 'auto' for the newest readable one in --log_dir"},
     )
 
 
@@ -615,7 +617,9 @@ def pick_device(requested: str, launch: Launch, cuda_available: bool, mps_availa
         raise ConfigError(f"--device {requested} is not available on this machine: use --device auto or cpu")
     if device_type == "cuda" and launch.torchrun:
         if index and launch.world_size > 1:
-            raise ConfigError(f"--device {requested} names one GPU for {launch.world_size} processes: use --device cuda")
+            raise ConfigError(
+                f"--device {requested} names one GPU for {launch.world_size} processes: use --device cuda"
+            )
         return f"cuda:{launch.local_rank}"  # one GPU per process
     return requested
 
@@ -944,8 +948,8 @@ def check_resumable(checkpoint: dict, cfg: TrainConfig, model_config: GPTConfig)
     differing = [f"{name} {saved[name]} -> {wanted[name]}" for name in RESUME_MUST_MATCH if saved[name] != wanted[name]]
     if differing:
         raise ConfigError(
-            f"cannot resume from {checkpoint['path']}: {', '.join(differing)} (the checkpoint's model shape, total batch and "
-            "seq_len define its weights, schedule and data position): use the checkpoint's values"
+            f"cannot resume from {checkpoint['path']}: {', '.join(differing)} (the checkpoint's model shape, "
+            "total batch and seq_len define its weights, schedule and data position): use the checkpoint's values"
         )
 
 
@@ -1173,7 +1177,8 @@ def step_summary(step_ms: list[float], tokens_per_step: int, flops_per_step: flo
     """Median speed over the steps after the first 3 (compilation and allocator warmup), peak memory."""
     timed = step_ms[3:] or step_ms
     median_ms = statistics.median(timed)
-    summary = {"timed_steps": len(timed), "median_ms": median_ms, "median_tokens_per_s": tokens_per_step * 1000 / median_ms,
+    summary = {"timed_steps": len(timed), "median_ms": median_ms,
+               "median_tokens_per_s": tokens_per_step * 1000 / median_ms,
                "peak_memory_gib": peak_memory_gib(device_type)}
     if flops_per_step is not None:
         summary["mfu"] = flops_per_step * 1000 / median_ms / (cfg.peak_tflops * 1e12)
@@ -1259,7 +1264,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
     if is_main:
         print(f"device {device} ({str(dtype).removeprefix('torch.')}, compile {'on' if use_compile else 'off'}), "
               f"{W} process(es); {num_params:,} parameters; {cfg.total_batch_size:,} tokens per step = "
-              f"{accum_steps} micro-steps x {W} process(es) x {B} x {T}; {train_loader.stream.num_tokens:,} train tokens",
+              f"{accum_steps} micro-steps x {W} process(es) x {B} x {T}; "
+              f"{train_loader.stream.num_tokens:,} train tokens",
               flush=True)
 
     step_ms, epoch = [], train_loader.epoch

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -40,3 +41,14 @@ def run_script(args, env=None, timeout=300):
 @pytest.fixture
 def tiny_args(tmp_path):
     return TINY_ARGS + ["--log_dir", str(tmp_path / "log")]
+
+
+@pytest.fixture
+def one_thread():
+    """For bitwise comparisons between runs in this process. With one thread no kernel can split a sum
+    differently from one run to the next; two identical 2-thread runs once differed by a few ulps at step 0
+    on a loaded CI machine. (Subprocess tests get OMP_NUM_THREADS=1 for the same reason.)"""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -30,7 +30,7 @@ def assert_same_weights(a: dict, b: dict):
         assert torch.equal(a[name], b[name]), name  # bitwise
 
 
-def test_resume_is_exact_in_one_process(tmp_path):
+def test_resume_is_exact_in_one_process(one_thread, tmp_path):
     straight = run([], tmp_path / "straight")
     first_half = run(["--stop_after_steps", "4"], tmp_path / "resumed")
     assert [r["step"] for r in first_half.records if "train_loss" in r] == [0, 1, 2, 3]

@@ -160,7 +160,7 @@ def test_init_from_gpt2_offline_says_so_in_one_line(monkeypatch, capsys):
                     "to load the files of gpt2.): check the network")
 
 
-def test_init_from_our_checkpoint_and_generate(tmp_path):
+def test_init_from_our_checkpoint_and_generate(one_thread, tmp_path):
     trained = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "3", "--log_dir", str(tmp_path)]))
     args = ["--init_from", str(tmp_path / "ckpt_3.pt"), "--generate", "--device", "cpu", "--num_samples", "2",
             "--max_new_tokens", "5"]
@@ -168,7 +168,7 @@ def test_init_from_our_checkpoint_and_generate(tmp_path):
     expected = t.generate(trained.model, TOKENIZER.encode_ordinary("Hello, I'm a language model,"), 2, 5, 1.0, 50,
                           1337, "cpu", contextlib.nullcontext)
     assert texts == ["Hello, I'm a language model," + TOKENIZER.decode(sample) for sample in expected]
-    result = run_script(args + ["--no-kv_cache"])
+    result = run_script(args + ["--no-kv_cache"], env=ONE_THREAD)
     assert result.returncode == 0, result.stderr
     assert [line.removeprefix(f"sample {i}: ") for i, line in enumerate(result.stdout.splitlines()[:2])] == texts
     assert "10 tokens in" in result.stdout and "(KV cache off, 1,637,248 parameters)" in result.stdout

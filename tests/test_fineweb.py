@@ -101,11 +101,14 @@ def test_error_out_dir_not_empty(tmp_path):
                     "or choose another folder")
 
 
-def test_error_record_without_the_text_field_names_file_and_line(tmp_path):
+@pytest.mark.parametrize("workers", ["1", "2"])  # read in this process, or while a pool tokenizes
+def test_error_record_without_the_text_field_names_file_and_line(tmp_path, workers):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"body": "no text here"}\n')
-    line = one_line_error(run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out")]))
+    line = one_line_error(run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out"),
+                                       "--workers", workers]))
     assert line == f"error: {corpus} line 3 has no field 'text': pass --text_field"
+    assert list((tmp_path / "out").iterdir()) == []  # no shard from a failed run
 
 
 def without_module(tmp_path, name):

@@ -23,7 +23,7 @@ def test_twenty_steps_on_tiny_shakespeare_lower_the_loss(tmp_path):
     assert losses[19] < losses[0] - 0.75, losses
 
 
-def test_same_seed_gives_identical_losses_and_another_seed_does_not(tmp_path):
+def test_same_seed_gives_identical_losses_and_another_seed_does_not(one_thread, tmp_path):
     first = train_losses(run(["--max_steps", "5"], tmp_path, "a"))
     second = train_losses(run(["--max_steps", "5"], tmp_path, "b"))
     other_seed = train_losses(run(["--max_steps", "5", "--seed", "7"], tmp_path, "c"))
@@ -87,7 +87,7 @@ def test_val_loss_is_the_mean_over_the_first_eval_batches(tmp_path):
     assert logged == [pytest.approx(expected.item(), rel=1e-6)]
 
 
-def test_samples_are_seeded(tmp_path, capsys):
+def test_samples_are_seeded(one_thread, tmp_path, capsys):
     args = ["--max_steps", "2", "--sample_every", "2", "--num_samples", "2", "--max_new_tokens", "8"]
     run(args, tmp_path, "a")
     first = [line for line in capsys.readouterr().out.splitlines() if line.startswith("sample")]
