@@ -24,7 +24,6 @@ import signal
 import statistics
 import sys
 import time
-import types
 import typing
 import urllib.request
 from dataclasses import dataclass, field
@@ -41,7 +40,6 @@ PROJECT_ROOT = os.path.dirname(os.path.abspath(__file__))
 TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
-GPT2_EOT_TOKEN = 50256  # <|endoftext|>, the last of the tokenizer's 50257 tokens
 GPT2_VOCAB_SIZE = 50257
 
 # (n_layer, n_head, n_embd) of the four published GPT-2 models

@@ -164,11 +164,12 @@ def wait_for_line(process, text, timeout=120):
     raise AssertionError(f"{text!r} never printed: {''.join(seen)}")
 
 
-def test_sigterm_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])  # preemption, Ctrl-C
+def test_a_signal_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path, signum):
     args = TINY_ARGS + ["--max_steps", "100000", "--ckpt_every", "0", "--log_dir", str(tmp_path)]
     process = start_training(["train_gpt2.py"] + args)
     wait_for_line(process, "step     2/100000")
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     signalled = time.monotonic()
     out, err = process.communicate(timeout=60)
     assert process.returncode == 0, err
