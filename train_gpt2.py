@@ -639,13 +639,19 @@ def gather_from_ranks(value, launch: Launch) -> list:
     return values
 
 
-def raise_if_any_rank_failed(error: ConfigError | None, launch: Launch) -> None:
-    """A mistake only some ranks see (a file missing on one machine) must stop every rank, and be told once."""
-    messages = gather_from_ranks(None if error is None else str(error), launch)
-    failed = [(rank, message) for rank, message in enumerate(messages) if message is not None]
+def on_every_rank(work, launch: Launch):
+    """Return work(). A ConfigError it raises on any rank (a file missing on one machine) is raised on every
+    rank, so that all stop together and rank 0 tells it once."""
+    result, message = None, None
+    try:
+        result = work()
+    except ConfigError as error:
+        message = str(error)
+    failed = [(rank, m) for rank, m in enumerate(gather_from_ranks(message, launch)) if m is not None]
     if failed:
         rank, message = failed[0]
         raise ConfigError(message if rank == 0 else f"{message} (on rank {rank})")
+    return result
 
 
 def all_reduce_mean(value: torch.Tensor, launch: Launch) -> torch.Tensor:
@@ -1008,60 +1014,51 @@ def any_rank(flag: bool, launch: Launch, device: str) -> bool:
 
 def fetch_once_per_machine(path: str, url: str, fix: str, launch: Launch) -> None:
     """Download url to path if it is missing: local rank 0 fetches it, the other ranks wait for it."""
-    error = None
-    if launch.local_rank == 0 and not os.path.exists(path):
-        try:
+
+    def fetch():
+        if launch.local_rank == 0 and not os.path.exists(path):
             download(url, path, fix)
-        except ConfigError as download_error:
-            error = download_error
-    raise_if_any_rank_failed(error, launch)
+
+    on_every_rank(fetch, launch)
 
 
 def open_data(cfg: TrainConfig, launch: Launch, with_val: bool) -> tuple[DataLoader, DataLoader | None]:
     if not cfg.data_dir:
         fetch_once_per_machine(cfg.text_file, cfg.text_url, "put a text file there or pass --text_file or --data_dir",
                                launch)
-    error, loaders = None, (None, None)
-    try:
+
+    def loaders():
         train_stream, val_stream = load_token_streams(cfg)
         B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
         windows_per_step = cfg.total_batch_size // T
         shuffle = cfg.shuffle if cfg.shuffle is not None else bool(cfg.data_dir)
-        loaders = (
+        return (
             DataLoader(train_stream, B, T, launch.rank, W, windows_per_step, shuffle, cfg.seed, "training"),
             # validation: in order, the same windows every time; all the evaluation's steps must fit
             DataLoader(val_stream, B, T, launch.rank, W, windows_per_step * cfg.eval_steps, False, cfg.seed,
                        "validation") if with_val else None,
         )
-    except ConfigError as data_error:
-        error = data_error
-    raise_if_any_rank_failed(error, launch)
-    return loaders
+
+    return on_every_rank(loaders, launch)
 
 
 def open_hellaswag(cfg: TrainConfig, launch: Launch) -> list[dict]:
     path = cfg.hellaswag_path or HELLASWAG_CACHE
     fetch_once_per_machine(path, HELLASWAG_URL, "pass --hellaswag_path with a local copy", launch)
-    error, examples = None, []
-    try:
-        examples = read_hellaswag(path)
-    except ConfigError as read_error:
-        error = read_error
-    raise_if_any_rank_failed(error, launch)
-    return examples
+    return on_every_rank(lambda: read_hellaswag(path), launch)
 
 
 def build_model(cfg: TrainConfig, launch: Launch, device: str) -> GPT:
     """Fresh weights from --seed (the same on every rank), or --init_from's."""
-    error, model_config, state = None, None, None
-    try:
+
+    def weights():
         model_config, state = initial_weights(cfg)
         if not cfg.generate and cfg.seq_len > model_config.block_size:
             raise ConfigError(f"--seq_len {cfg.seq_len} is longer than the model's {model_config.block_size} "
                               "positions: lower --seq_len")
-    except ConfigError as weights_error:
-        error = weights_error
-    raise_if_any_rank_failed(error, launch)
+        return model_config, state
+
+    model_config, state = on_every_rank(weights, launch)
     torch.manual_seed(cfg.seed)
     model = GPT(model_config)
     if state is not None:
@@ -1221,14 +1218,13 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
     raw_model = build_model(cfg, launch, device)
 
     # resume: every rank reads the checkpoint, and all must have found the same one
-    error, checkpoint = None, None
-    try:
+    def resume_checkpoint():
         checkpoint = find_resume_checkpoint(cfg, log.say)
         if checkpoint is not None:
             check_resumable(checkpoint, cfg, raw_model.config)
-    except ConfigError as resume_error:
-        error = resume_error
-    raise_if_any_rank_failed(error, launch)
+        return checkpoint
+
+    checkpoint = on_every_rank(resume_checkpoint, launch)
     resume_steps = gather_from_ranks(checkpoint and checkpoint["step"], launch)
     if len(set(resume_steps)) > 1:
         raise ConfigError(f"the ranks found different checkpoints (steps {resume_steps}): put --log_dir on storage "
@@ -1411,7 +1407,7 @@ def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult | dict |
                 result = evaluate_only(cfg, launch, device)
             else:
                 result = train(cfg, launch, device, stop_signal)
-    except ConfigError as error:  # raise_if_any_rank_failed raised it on every rank together
+    except ConfigError as error:  # on_every_rank raised it on every rank together
         user_error = error
     if launch.torchrun:
         # every rank gets here together; not after a crash, where a peer may be gone and this can block
