@@ -27,6 +27,7 @@ import time
 import typing
 import urllib.request
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -456,16 +457,24 @@ def gpt2_tokenizer():
     return tiktoken.get_encoding("gpt2")
 
 
+def write_atomically(path: str, write) -> None:
+    """write(temporary_path), flush it to disk, then rename: a reader sees the old file or the whole new one."""
+    temporary = f"{path}.tmp"
+    write(temporary)
+    with open(temporary, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(temporary, path)
+
+
 def download(url: str, path: str, fix: str) -> None:
-    """Fetch url into path through a temporary file, so an interrupted download leaves nothing behind."""
-    temporary = f"{path}.part"
+    """Fetch url into path; the file appears only once it is complete."""
     try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            data = response.read()
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with urllib.request.urlopen(url, timeout=30) as response, open(temporary, "wb") as out:
-            out.write(response.read())
+        write_atomically(path, lambda temporary: Path(temporary).write_bytes(data))
     except OSError as error:
         raise ConfigError(f"could not download {url} to {path} ({error}): {fix}") from None
-    os.replace(temporary, path)
 
 
 def read_text_tokens(path: str) -> np.ndarray:
@@ -825,9 +834,8 @@ def plot_metrics(metrics_path: str, png_path: str) -> bool:
         accuracy_axis.plot(*series("hellaswag_acc_norm"), "s-", color="tab:green", label="HellaSwag acc_norm")
         accuracy_axis.set_ylabel("HellaSwag acc_norm")
         accuracy_axis.legend(loc="upper right")
-    figure.savefig(f"{png_path}.tmp.png", dpi=100)
+    write_atomically(png_path, lambda temporary: figure.savefig(temporary, format="png", dpi=100))
     plt.close(figure)
-    os.replace(f"{png_path}.tmp.png", png_path)
     return True
 
 
@@ -889,21 +897,12 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def write_atomically(path: str, write) -> None:
-    """write(temporary_path), flush it to disk, then rename: a reader sees the old file or the whole new one."""
-    temporary = f"{path}.tmp"
-    write(temporary)
-    with open(temporary, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-
-
 def save_checkpoint(path: str, state: dict, keep: int) -> None:
     """Write the checkpoint and its sha256 beside it (torch.load misses a flipped byte in tensor data), then keep
     only the `keep` newest checkpoints."""
     write_atomically(path, lambda temporary: torch.save(state, temporary))
     digest = file_sha256(path)
-    write_atomically(f"{path}.sha256", lambda temporary: open(temporary, "w").write(digest + "\n"))
+    write_atomically(f"{path}.sha256", lambda temporary: Path(temporary).write_text(digest + "\n"))
     directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     os.fsync(directory)  # make the renames themselves durable
     os.close(directory)

@@ -160,3 +160,23 @@ def test_unreadable_shard_is_named(tmp_path):
     (tmp_path / "tiny_train_000001.npy").write_bytes(b"not a numpy file")
     with pytest.raises(t.ConfigError, match=r"cannot read shard .*tiny_train_000001.npy"):
         t.load_token_streams(t.parse_args(["--data_dir", str(tmp_path)]))
+
+
+def test_download_writes_the_whole_file_and_nothing_else(tmp_path):
+    import functools
+    import http.server
+    import threading
+
+    served = tmp_path / "served"
+    served.mkdir()
+    (served / "input.txt").write_text("First Citizen:\nBefore we proceed any further, hear me speak.\n")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(served))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)  # loopback, a free port
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        target = tmp_path / "data" / "input.txt"
+        t.download(f"http://127.0.0.1:{server.server_port}/input.txt", str(target), "unused")
+    finally:
+        server.shutdown()
+    assert target.read_bytes() == (served / "input.txt").read_bytes()
+    assert sorted(p.name for p in target.parent.iterdir()) == ["input.txt"]  # no temporary file left
