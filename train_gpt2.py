@@ -203,8 +203,9 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
     """Catch user mistakes before any heavy work; each ConfigError names the problem and the fix."""
     if cfg.model not in MODEL_SHAPES:
         raise ConfigError(f"unknown --model {cfg.model!r}: choose one of {', '.join(MODEL_SHAPES)}")
+    explicit_shape = [n for n in ("n_layer", "n_head", "n_embd") if getattr(cfg, n) is not None]
     positive = ["block_size", "vocab_size", "total_batch_size", "micro_batch_size", "seq_len", "max_steps"]
-    for name in positive + [n for n in ("n_layer", "n_head", "n_embd") if getattr(cfg, n) is not None]:
+    for name in positive + explicit_shape:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
     n_layer, n_head, n_embd = model_shape(cfg)
@@ -244,9 +245,9 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"--top_k ({cfg.top_k}) must be at least 1 and --temperature ({cfg.temperature}) above 0")
     if cfg.init_from and cfg.init_from not in MODEL_SHAPES and not os.path.isfile(cfg.init_from):
         raise ConfigError(f"--init_from {cfg.init_from} is neither {', '.join(MODEL_SHAPES)} nor a checkpoint file")
-    explicit_shape = [f"--{n}" for n in ("n_layer", "n_head", "n_embd") if getattr(cfg, n) is not None]
     if cfg.init_from and explicit_shape:
-        raise ConfigError(f"--init_from {cfg.init_from} sets the model's shape: drop {' '.join(explicit_shape)}")
+        flags = " ".join(f"--{n}" for n in explicit_shape)
+        raise ConfigError(f"--init_from {cfg.init_from} sets the model's shape: drop {flags}")
     if cfg.generate and (cfg.eval_only or world_size > 1):
         raise ConfigError("--generate runs alone in one process: drop --eval_only, and use python, not torchrun")
     if cfg.hellaswag_path and not os.path.isfile(cfg.hellaswag_path):

@@ -71,3 +71,47 @@ def test_help_explains_every_flag():
     for field in dataclasses.fields(t.TrainConfig):
         assert f"--{field.name}" in result.stdout
     assert "989 is the H100 SXM dense bf16 datasheet figure" in " ".join(result.stdout.split())
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--micro_batch_size", "0"], "--micro_batch_size must be at least 1, got 0"),
+        (["--n_layer", "0"], "--n_layer must be at least 1, got 0"),
+        (["--eval_every", "1", "--eval_steps", "0"], "--eval_steps must be at least 1 when --eval_every is set, got 0"),
+        (["--loss_chunk_size", "-1"], "--loss_chunk_size must be 0 or more, got -1"),
+        (["--keep_ckpts", "-1"], "--ckpt_every, --keep_ckpts and --stop_after_steps must be 0 or more"),
+        (["--top_k", "0"], "--top_k (0) must be at least 1 and --temperature (1.0) above 0"),
+        (["--init_from", "gpt5"], "--init_from gpt5 is neither gpt2, gpt2-medium, gpt2-large, gpt2-xl nor a checkpoint file"),
+        (["--generate", "--eval_only"], "--generate runs alone in one process: drop --eval_only, and use python, not torchrun"),
+        (["--hellaswag_path", "/nowhere/hs.jsonl"],
+         "--hellaswag_path /nowhere/hs.jsonl does not exist: give hellaswag_val.jsonl's path"),
+        (["--text_file", "/nowhere/input.txt", "--text_url", ""],
+         "--text_file /nowhere/input.txt does not exist and --text_url is empty: give a text file"),
+    ],
+)
+def test_more_config_mistakes(args, message):
+    import train_gpt2 as t
+
+    with pytest.raises(t.ConfigError) as raised:
+        t.check_config(t.parse_args(TINY_ARGS + args), world_size=1)
+    assert str(raised.value) == message
+
+
+def test_one_gpu_named_for_several_processes():
+    import train_gpt2 as t
+
+    with pytest.raises(t.ConfigError) as raised:
+        t.pick_device("cuda:1", t.Launch(rank=0, local_rank=0, world_size=2, torchrun=True), True, False)
+    assert str(raised.value) == "--device cuda:1 names one GPU for 2 processes: use --device cuda"
+    assert t.pick_device("cuda", t.Launch(rank=3, local_rank=1, world_size=4, torchrun=True), True, False) == "cuda:1"
+
+
+def test_sequence_longer_than_the_checkpoint_model(tmp_path):
+    import train_gpt2 as t
+
+    t.main(t.parse_args(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path)]))  # block_size 64
+    cfg = t.parse_args(["--init_from", str(tmp_path / "ckpt_2.pt"), "--seq_len", "128", "--device", "cpu"])
+    with pytest.raises(t.ConfigError) as raised:
+        t.build_model(cfg, t.Launch(), "cpu")
+    assert str(raised.value) == "--seq_len 128 is longer than the model's 64 positions: lower --seq_len"

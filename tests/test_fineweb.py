@@ -168,3 +168,15 @@ def test_end_to_end_train_on_the_shards_one_and_two_processes(sample_shards, tmp
                         + shard_training_args(out_dir, tmp_path / "two"), env={"OMP_NUM_THREADS": "1"})
     assert double.returncode == 0, double.stderr
     assert losses(tmp_path / "two") == (train_losses, val_losses)  # 2 ranks x 1 micro-step = 1 x 2, exactly
+
+
+@pytest.mark.parametrize("name, content, args, message", [
+    ("corpus.csv", "text\nhello\n", [], "{path}: unknown file type; use .jsonl, .jsonl.gz, .parquet, .txt"),
+    ("corpus.jsonl", '{"text": "fine"}\nnot json\n', [], "{path} line 2 is not valid JSON"),
+    ("corpus.jsonl", '{"text": "fine"}\n', ["--workers", "0"], "--shard_size (100000000) and --workers (0) must be at least 1"),
+])
+def test_more_input_mistakes(tmp_path, name, content, args, message):
+    path = tmp_path / name
+    path.write_text(content)
+    line = one_line_error(run_fineweb(["--input", str(path), "--out_dir", str(tmp_path / "out")] + args))
+    assert line == "error: " + message.format(path=path)
