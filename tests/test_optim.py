@@ -66,29 +66,21 @@ def train_steps(model, optimizer, batches):
         optimizer.step()
 
 
-def test_fused_adamw_matches_the_plain_one():
-    """The CUDA default (fused=True) runs on CPU too, so it is checked here against the reference loop."""
-    cfg = t.parse_args([])
-    torch.manual_seed(1)
-    batches = [(torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))) for _ in range(3)]
-    plain, fused = tiny_model(), tiny_model()
-    train_steps(plain, t.configure_optimizer(plain, cfg, fused=False), batches)
-    train_steps(fused, t.configure_optimizer(fused, cfg, fused=True), batches)
-    for (name, p), q in zip(plain.named_parameters(), fused.parameters()):
-        if name.endswith("attn.c_attn.bias"):
-            # The key bias has a true gradient of zero (softmax ignores a shift shared by a row), so Adam
-            # turns its rounding noise (~1e-11) into full-size steps that differ: compare query and value only.
-            p, q = torch.cat([p[:32], p[64:]]), torch.cat([q[:32], q[64:]])
-        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-8, msg=name)
-    assert not torch.equal(plain.lm_head.weight, tiny_model().lm_head.weight)  # the steps did move it
-
-
-def test_accumulated_micro_batches_give_the_full_batch_gradient():
-    torch.manual_seed(2)
-    x, y = torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))
-    whole, accumulated = tiny_model(), tiny_model()
-    whole(x, y).backward()
-    for micro_x, micro_y in zip(x.split(2), y.split(2)):  # 4 micro-steps of 2 sequences
-        (accumulated(micro_x, micro_y) / 4).backward()
-    for (name, p), q in zip(whole.named_parameters(), accumulated.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+def test_fused_adamw_the_cuda_default_steps_like_the_plain_one():
+    """CUDA runs take the fused AdamW kernel; PyTorch also has it for CPU, so its update is checked here."""
+    cfg = t.parse_args(["--warmup_steps", "0", "--max_steps", "10"])
+    initial = [p.detach().clone() for p in tiny_model().parameters()]
+    x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    results = []
+    for fused in (False, True):
+        model = tiny_model()
+        optimizer = t.configure_optimizer(model, cfg, fused=fused)
+        assert optimizer.defaults["fused"] is fused
+        for _ in range(3):
+            optimizer.zero_grad(set_to_none=True)
+            model(x, x).backward()
+            optimizer.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+    plain, fused = results
+    assert all((p - p0).abs().max() > 1e-4 for p, p0 in zip(plain, initial))  # every tensor moved
+    assert max((a - b).abs().max().item() for a, b in zip(plain, fused)) < 1e-6
