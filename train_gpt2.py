@@ -42,6 +42,7 @@ TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
 GPT2_VOCAB_SIZE = 50257
+UNTIMED_STEPS = 3  # a run's first steps (compilation, allocator warm-up), left out of its speed summary and profile
 
 # (n_layer, n_head, n_embd) of the four published GPT-2 models
 MODEL_SHAPES = {
@@ -122,6 +123,12 @@ class TrainConfig:
     peak_tflops: float = field(
         default=989.0,
         metadata={"help": "device peak TFLOP/s for MFU: 989 is the H100 SXM dense bf16 datasheet figure"},
+    )
+    profile_steps: int = field(
+        default=0,
+        metadata={"help": "profile N steps with torch.profiler after 3 warm-up steps and 1 for the profiler: "
+                  "prints the operators that took the most time and writes <log_dir>/profile_trace.json.gz "
+                  "(open it in ui.perfetto.dev); those steps are left out of the summary; 0: off"},
     )
     # where the weights come from, and what to do with them
     init_from: str = field(
@@ -239,8 +246,12 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"--eval_steps must be at least 1 when --eval_every is set, got {cfg.eval_steps}")
     if cfg.loss_chunk_size is not None and cfg.loss_chunk_size < 0:
         raise ConfigError(f"--loss_chunk_size must be 0 or more, got {cfg.loss_chunk_size}")
-    if cfg.ckpt_every < 0 or cfg.keep_ckpts < 0 or cfg.stop_after_steps < 0:
-        raise ConfigError("--ckpt_every, --keep_ckpts and --stop_after_steps must be 0 or more")
+    if cfg.ckpt_every < 0 or cfg.keep_ckpts < 0 or cfg.stop_after_steps < 0 or cfg.profile_steps < 0:
+        raise ConfigError("--ckpt_every, --keep_ckpts, --stop_after_steps and --profile_steps must be 0 or more")
+    steps_to_profile = UNTIMED_STEPS + 1 + cfg.profile_steps
+    if cfg.profile_steps and cfg.max_steps < steps_to_profile:
+        raise ConfigError(f"--profile_steps {cfg.profile_steps} needs {steps_to_profile} steps ({UNTIMED_STEPS} warm-up, "
+                          f"1 for the profiler): raise --max_steps to {steps_to_profile}")
     if cfg.top_k < 1 or cfg.temperature <= 0:
         raise ConfigError(f"--top_k ({cfg.top_k}) must be at least 1 and --temperature ({cfg.temperature}) above 0")
     if cfg.init_from and cfg.init_from not in MODEL_SHAPES and not os.path.isfile(cfg.init_from):
@@ -1177,8 +1188,8 @@ def peak_memory_gib(device_type: str) -> float:
 
 def step_summary(step_ms: list[float], tokens_per_step: int, flops_per_step: float | None, cfg: TrainConfig,
                  device_type: str) -> dict:
-    """Median speed over the steps after the first 3 (compilation and allocator warmup), peak memory."""
-    timed = step_ms[3:] or step_ms
+    """Median speed over the steps after the untimed first ones, peak memory."""
+    timed = step_ms[UNTIMED_STEPS:] or step_ms
     median_ms = statistics.median(timed)
     summary = {"timed_steps": len(timed), "median_ms": median_ms,
                "median_tokens_per_s": tokens_per_step * 1000 / median_ms,
@@ -1186,6 +1197,24 @@ def step_summary(step_ms: list[float], tokens_per_step: int, flops_per_step: flo
     if flops_per_step is not None:
         summary["mfu"] = flops_per_step * 1000 / median_ms / (cfg.peak_tflops * 1e12)
     return summary
+
+
+def make_profiler(cfg: TrainConfig, device_type: str) -> torch.profiler.profile:
+    """A torch.profiler that skips UNTIMED_STEPS steps, warms up for 1, then records --profile_steps steps
+    (the loop calls its step() after each step); then it writes a trace and prints the costliest operators."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device_type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    trace_path = os.path.join(cfg.log_dir, "profile_trace.json.gz")
+
+    def report(profiler):
+        profiler.export_chrome_trace(trace_path)  # gzipped because of the name: 124M steps hold many kernels
+        by = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
+        print(profiler.key_averages().table(sort_by=by, row_limit=25), flush=True)
+        print(f"profile of {cfg.profile_steps} step(s) written to {trace_path} (open it in ui.perfetto.dev)", flush=True)
+
+    schedule = torch.profiler.schedule(wait=UNTIMED_STEPS, warmup=1, active=cfg.profile_steps, repeat=1)
+    return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=report)
 
 
 # ----------------------------------------------------------------------------- training loop
@@ -1270,6 +1299,9 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
               flush=True)
 
     step_ms, epoch = [], train_loader.epoch
+    profiler = make_profiler(cfg, device_type) if is_main and cfg.profile_steps else None
+    if profiler:
+        profiler.start()
     for step in range(start_step, cfg.max_steps):
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
@@ -1285,7 +1317,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
         scaler.update()
         train_loss, grad_norm = train_loss.item(), grad_norm.item()  # waits for the device
         elapsed_ms = (time.perf_counter() - started) * 1000
-        step_ms.append(elapsed_ms)
+        if not (profiler and UNTIMED_STEPS <= step - start_step <= UNTIMED_STEPS + cfg.profile_steps):
+            step_ms.append(elapsed_ms)  # profiled steps run slower
 
         tokens_per_s = cfg.total_batch_size * 1000 / elapsed_ms
         record = {"step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
@@ -1336,7 +1369,11 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
             log.say(f"stopped by {reason} after step {step}, checkpoint {cfg.log_dir}/ckpt_{steps_done}.pt written: "
                     "to continue, run the same command with --resume auto")
             break
+        if profiler:
+            profiler.step()
 
+    if profiler:
+        profiler.stop()  # reports now if the run ended while recording
     if not step_ms:
         log.say(f"nothing to train: the checkpoint is at step {start_step} of --max_steps {cfg.max_steps}")
         return TrainResult(raw_model, log.records)

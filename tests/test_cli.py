@@ -1,8 +1,13 @@
 """Each user mistake: exit status 2, one line on stderr naming the problem and the fix, nothing else."""
 
+import re
+import shlex
+
+import numpy as np
 import pytest
 
-from conftest import TINY_ARGS, run_script
+import train_gpt2 as t
+from conftest import ROOT, TINY_ARGS, run_script
 
 
 def one_line_error(result):
@@ -36,6 +41,8 @@ def one_line_error(result):
         (["--fp8"], "error: --fp8 needs an NVIDIA GPU with float8 matmuls (compute capability 8.9 or newer: Ada, "
                     "Hopper); this run is on cpu: drop --fp8"),
         (["--learning_rate", "1"], "error: unrecognized arguments: --learning_rate 1 (see --help)"),
+        (["--profile_steps", "17"],
+         "error: --profile_steps 17 needs 21 steps (3 warm-up, 1 for the profiler): raise --max_steps to 21"),
     ],
 )
 def test_config_mistakes(args, message):
@@ -80,7 +87,8 @@ def test_help_explains_every_flag():
         (["--n_layer", "0"], "--n_layer must be at least 1, got 0"),
         (["--eval_every", "1", "--eval_steps", "0"], "--eval_steps must be at least 1 when --eval_every is set, got 0"),
         (["--loss_chunk_size", "-1"], "--loss_chunk_size must be 0 or more, got -1"),
-        (["--keep_ckpts", "-1"], "--ckpt_every, --keep_ckpts and --stop_after_steps must be 0 or more"),
+        (["--profile_steps", "-1"], "--ckpt_every, --keep_ckpts, --stop_after_steps and --profile_steps must be 0 or more"),
+        (["--keep_ckpts", "-1"], "--ckpt_every, --keep_ckpts, --stop_after_steps and --profile_steps must be 0 or more"),
         (["--top_k", "0"], "--top_k (0) must be at least 1 and --temperature (1.0) above 0"),
         (["--init_from", "gpt5"], "--init_from gpt5 is neither gpt2, gpt2-medium, gpt2-large, gpt2-xl nor a checkpoint file"),
         (["--generate", "--eval_only"], "--generate runs alone in one process: drop --eval_only, and use python, not torchrun"),
@@ -115,3 +123,36 @@ def test_sequence_longer_than_the_checkpoint_model(tmp_path):
     with pytest.raises(t.ConfigError) as raised:
         t.build_model(cfg, t.Launch(), "cpu")
     assert str(raised.value) == "--seq_len 128 is longer than the model's 64 positions: lower --seq_len"
+
+
+def readme_commands():
+    """(world size, arguments) of every train_gpt2.py command in the README's bash blocks."""
+    readme = (ROOT / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for command in line.split("&&"):
+                words = shlex.split(command, comments=True)
+                if "train_gpt2.py" not in words or "..." in words:
+                    continue  # another program, or an elided command
+                launcher = dict(w.removeprefix("--").split("=") for w in words[:words.index("train_gpt2.py")] if "=" in w)
+                processes = launcher.get("nproc_per_node", "1").replace("N", "2")  # N: any process count
+                world_size = int(processes) * int(launcher.get("nnodes", "1"))
+                commands.append((world_size, words[words.index("train_gpt2.py") + 1:]))
+    return commands
+
+
+def test_every_command_in_the_readme_passes_the_config_checks(tmp_path, monkeypatch):
+    """A README command that fails its own checks is a bug (one did: a 30-step benchmark with 715 warmup steps)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "edu_fineweb10B").mkdir()
+    for name in ("edu_fineweb10B_val_000000.npy", "edu_fineweb10B_train_000001.npy"):
+        np.save(tmp_path / "edu_fineweb10B" / name, np.zeros(10, dtype=np.uint16))
+    (tmp_path / "log").mkdir()
+    (tmp_path / "log" / "ckpt_19073.pt").write_bytes(b"")  # --init_from's file; the config check only needs it to exist
+    commands = readme_commands()
+    assert len(commands) >= 9, commands
+    assert (1, ["--data_dir", "edu_fineweb10B", "--max_steps", "30", "--warmup_steps", "10", "--eval_every", "0",
+                "--sample_every", "0", "--ckpt_every", "0"]) in commands  # the benchmark
+    for world_size, args in commands:
+        t.check_config(t.parse_args(args), world_size)

@@ -1,4 +1,5 @@
 import contextlib
+import gzip
 import json
 
 import pytest
@@ -130,3 +131,20 @@ def test_compiled_model_trains_like_the_eager_one(tmp_path):
     eager = train_losses(run(["--max_steps", "3"], tmp_path, "eager"))
     compiled = train_losses(run(["--max_steps", "3", "--compile"], tmp_path, "compiled"))
     assert max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4
+
+
+def test_profile_records_the_steps_after_warmup_and_leaves_them_out_of_the_summary(tmp_path, capsys):
+    result = run(["--max_steps", "7", "--profile_steps", "2"], tmp_path)
+    out = capsys.readouterr().out
+    trace_path = tmp_path / "log" / "profile_trace.json.gz"
+    assert f"profile of 2 step(s) written to {trace_path}" in out
+    assert "Self CPU time total" in out  # the table of the costliest operators
+    with gzip.open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    # steps 0-2 are not recorded, step 3 warms the profiler up, steps 4 and 5 are recorded
+    assert sorted(e["name"] for e in events if e.get("name", "").startswith("ProfilerStep")) == [
+        "ProfilerStep#4", "ProfilerStep#5"]
+    assert any(e.get("name") == "aten::mm" for e in events)
+    # timed: steps 0-6 less the 3 warm-up steps and the 3 profiled ones
+    assert result.records[-1]["summary"]["timed_steps"] == 1
+    assert len(train_losses(result)) == 7
