@@ -146,6 +146,33 @@ def test_txt_and_gzipped_jsonl_inputs(tmp_path):
     assert read_shards(tmp_path / "out")[0].tolist() == [50256, 15496, 995, 50256, 15496, 995]
 
 
+def write_parquet(path, columns, row_group_size):
+    import pyarrow
+    import pyarrow.parquet
+
+    pyarrow.parquet.write_table(pyarrow.table(columns), path, row_group_size=row_group_size)
+
+
+def test_parquet_gives_the_tokens_of_the_same_documents_in_jsonl(sample_shards, tmp_path):
+    """FineWeb's own files are parquet: the sample rewritten as parquet (in row groups of 64, read batch by
+    batch) must give byte-identical shards."""
+    texts = [json.loads(line)["text"] for line in SAMPLE.read_text(encoding="utf-8").splitlines()]
+    write_parquet(tmp_path / "sample.parquet", {"id": list(range(len(texts))), "text": texts}, row_group_size=64)
+    counts = fineweb.main(fineweb.parse_args(["--input", str(tmp_path / "sample.parquet"), "--out_dir",
+                                              str(tmp_path / "sample"), "--shard_size", "300000", "--workers", "1"]))
+    from_jsonl, _ = sample_shards
+    assert counts == (700, 1_123_459, 4)
+    for path in from_jsonl.iterdir():
+        assert (tmp_path / "sample" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_error_parquet_without_the_text_column(tmp_path):
+    corpus = tmp_path / "corpus.parquet"
+    write_parquet(corpus, {"id": [1], "body": ["no text column"]}, row_group_size=1)
+    line = one_line_error(run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out")]))
+    assert line == f"error: {corpus} has no column 'text' (it has ['id', 'body']): pass --text_field"
+
+
 def shard_training_args(out_dir, log_dir):
     args = TINY_ARGS[: TINY_ARGS.index("--text_file")]
     return args + ["--data_dir", str(out_dir), "--max_steps", "20", "--max_lr", "1e-2", "--eval_every", "20",
