@@ -42,6 +42,7 @@ TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
 GPT2_VOCAB_SIZE = 50257
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 UNTIMED_STEPS = 3  # a run's first steps (compilation, allocator warm-up), left out of its speed summary and profile
 
 # (n_layer, n_head, n_embd) of the four published GPT-2 models
@@ -109,6 +110,12 @@ class TrainConfig:
                   "GradScaler; float32 on MPS and CPU), float32, bfloat16 or float16"},
     )
     compile: bool | None = field(default=None, metadata={"help": "torch.compile the model (default: on for CUDA only)"})
+    compile_mode: str = field(
+        default="default",
+        metadata={"help": "torch.compile's mode: default, reduce-overhead (replays each step's kernels as CUDA graphs), "
+                  "max-autotune (also benchmarks matmul kernels: minutes more compiling) or "
+                  "max-autotune-no-cudagraphs"},
+    )
     fp8: bool = field(
         default=False,
         metadata={"help": "train the blocks' linear layers in float8 through torchao (pip install torchao); needs an "
@@ -242,6 +249,8 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         )
     if cfg.dtype not in ("auto", "float32", "bfloat16", "float16"):
         raise ConfigError(f"unknown --dtype {cfg.dtype!r}: choose auto, float32, bfloat16 or float16")
+    if cfg.compile_mode not in COMPILE_MODES:
+        raise ConfigError(f"unknown --compile_mode {cfg.compile_mode!r}: choose {', '.join(COMPILE_MODES)}")
     if cfg.eval_every and cfg.eval_steps < 1:
         raise ConfigError(f"--eval_steps must be at least 1 when --eval_every is set, got {cfg.eval_steps}")
     if cfg.loss_chunk_size is not None and cfg.loss_chunk_size < 0:
@@ -1090,7 +1099,11 @@ def build_model(cfg: TrainConfig, launch: Launch, device: str) -> GPT:
 
 
 def compile_enabled(cfg: TrainConfig, device: str) -> bool:
-    return cfg.compile if cfg.compile is not None else device.startswith("cuda")
+    use_compile = cfg.compile if cfg.compile is not None else device.startswith("cuda")
+    if cfg.compile_mode != "default" and not use_compile:
+        raise ConfigError(f"--compile_mode {cfg.compile_mode} needs torch.compile, which is off on {device}: "
+                          "add --compile")
+    return use_compile
 
 
 def check_fp8_supported(device: str, capability: tuple[int, int] | None) -> None:
@@ -1272,7 +1285,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
     if cfg.fp8:
         convert_to_float8(raw_model)
     use_compile = compile_enabled(cfg, device)
-    model = torch.compile(raw_model) if use_compile else raw_model
+    model = torch.compile(raw_model, mode=cfg.compile_mode) if use_compile else raw_model
     if launch.torchrun:
         model = DDP(model, device_ids=[launch.local_rank] if device_type == "cuda" else None)
     dtype, autocast = precision(cfg, device_type)
@@ -1437,6 +1450,7 @@ def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult | dict |
     try:
         check_config(cfg, launch.world_size)
         device = pick_device(cfg.device, launch, torch.cuda.is_available(), torch.backends.mps.is_available())
+        compile_enabled(cfg, device)  # a --compile_mode that would not apply is refused here, before any work
         if cfg.fp8:
             check_fp8_supported(device, torch.cuda.get_device_capability(device) if device.startswith("cuda") else None)
     except ConfigError as error:

@@ -41,6 +41,10 @@ def one_line_error(result):
         (["--fp8"], "error: --fp8 needs an NVIDIA GPU with float8 matmuls (compute capability 8.9 or newer: Ada, "
                     "Hopper); this run is on cpu: drop --fp8"),
         (["--learning_rate", "1"], "error: unrecognized arguments: --learning_rate 1 (see --help)"),
+        (["--compile_mode", "fast"], "error: unknown --compile_mode 'fast': choose default, reduce-overhead, "
+                                     "max-autotune, max-autotune-no-cudagraphs"),
+        (["--compile_mode", "reduce-overhead"],
+         "error: --compile_mode reduce-overhead needs torch.compile, which is off on cpu: add --compile"),
         (["--profile_steps", "17"],
          "error: --profile_steps 17 needs 21 steps (3 warm-up, 1 for the profiler): raise --max_steps to 21"),
     ],
