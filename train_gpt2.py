@@ -661,10 +661,12 @@ def pick_device(requested: str, launch: Launch, cuda_available: bool, mps_availa
 
 
 def init_distributed(launch: Launch, device: str) -> None:
-    if not launch.torchrun:
-        return
+    """Make a CUDA device the current one (pinned memory and NCCL use it: no stray context on GPU 0), then
+    under torchrun join the process group."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
+    if not launch.torchrun:
+        return
     dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=DIST_TIMEOUT)
 
 
