@@ -126,10 +126,11 @@ def test_reduced_precision_paths_track_float32(tmp_path, dtype, tolerance):
     assert max(abs(a - b) for a, b in zip(reduced, reference)) < tolerance
 
 
-def test_compiled_model_trains_like_the_eager_one(tmp_path):
+@pytest.mark.parametrize("loss_flags", [[], ["--loss_chunk_size", "48"]])  # compile's own fused loss, or chunks
+def test_compiled_model_trains_like_the_eager_one(tmp_path, loss_flags):
     """torch.compile is the CUDA default; inductor also compiles for CPU, so a GPU run finds no surprise."""
     eager = train_losses(run(["--max_steps", "3"], tmp_path, "eager"))
-    compiled = train_losses(run(["--max_steps", "3", "--compile"], tmp_path, "compiled"))
+    compiled = train_losses(run(["--max_steps", "3", "--compile"] + loss_flags, tmp_path, "compiled"))
     assert max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4
 
 
