@@ -258,9 +258,11 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
     if cfg.ckpt_every < 0 or cfg.keep_ckpts < 0 or cfg.stop_after_steps < 0 or cfg.profile_steps < 0:
         raise ConfigError("--ckpt_every, --keep_ckpts, --stop_after_steps and --profile_steps must be 0 or more")
     steps_to_profile = UNTIMED_STEPS + 1 + cfg.profile_steps
-    if cfg.profile_steps and cfg.max_steps < steps_to_profile:
+    run_steps, step_limit = ((cfg.stop_after_steps, "--stop_after_steps") if 0 < cfg.stop_after_steps < cfg.max_steps
+                             else (cfg.max_steps, "--max_steps"))
+    if cfg.profile_steps and run_steps < steps_to_profile:
         raise ConfigError(f"--profile_steps {cfg.profile_steps} needs {steps_to_profile} steps ({UNTIMED_STEPS} warm-up, "
-                          f"1 for the profiler): raise --max_steps to {steps_to_profile}")
+                          f"1 for the profiler): raise {step_limit} to {steps_to_profile}")
     if cfg.top_k < 1 or cfg.temperature <= 0:
         raise ConfigError(f"--top_k ({cfg.top_k}) must be at least 1 and --temperature ({cfg.temperature}) above 0")
     if cfg.init_from and cfg.init_from not in MODEL_SHAPES and not os.path.isfile(cfg.init_from):
@@ -1314,9 +1316,15 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
               flush=True)
 
     step_ms, epoch = [], train_loader.epoch
-    profiler = make_profiler(cfg, device_type) if is_main and cfg.profile_steps else None
-    if profiler:
-        profiler.start()
+    profiler = None
+    if is_main and cfg.profile_steps:
+        steps_to_profile = UNTIMED_STEPS + 1 + cfg.profile_steps
+        if cfg.max_steps - start_step < steps_to_profile:
+            log.say(f"warning: no profile: {cfg.max_steps - start_step} steps are left after the checkpoint, "
+                    f"fewer than the {steps_to_profile} that --profile_steps {cfg.profile_steps} needs")
+        else:
+            profiler = make_profiler(cfg, device_type)
+            profiler.start()
     for step in range(start_step, cfg.max_steps):
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)

@@ -91,6 +91,8 @@ def test_help_explains_every_flag():
         (["--n_layer", "0"], "--n_layer must be at least 1, got 0"),
         (["--eval_every", "1", "--eval_steps", "0"], "--eval_steps must be at least 1 when --eval_every is set, got 0"),
         (["--loss_chunk_size", "-1"], "--loss_chunk_size must be 0 or more, got -1"),
+        (["--profile_steps", "2", "--stop_after_steps", "5"],
+         "--profile_steps 2 needs 6 steps (3 warm-up, 1 for the profiler): raise --stop_after_steps to 6"),
         (["--profile_steps", "-1"], "--ckpt_every, --keep_ckpts, --stop_after_steps and --profile_steps must be 0 or more"),
         (["--keep_ckpts", "-1"], "--ckpt_every, --keep_ckpts, --stop_after_steps and --profile_steps must be 0 or more"),
         (["--top_k", "0"], "--top_k (0) must be at least 1 and --temperature (1.0) above 0"),

@@ -161,3 +161,11 @@ def test_profile_records_the_steps_after_warmup_and_leaves_them_out_of_the_summa
     # timed: steps 0-6 less the 3 warm-up steps and the 3 profiled ones
     assert result.records[-1]["summary"]["timed_steps"] == 1
     assert len(train_losses(result)) == 7
+
+
+def test_a_resumed_run_too_short_to_profile_says_so(tmp_path, capsys):
+    run(["--max_steps", "6", "--stop_after_steps", "4"], tmp_path)
+    result = run(["--max_steps", "6", "--profile_steps", "1", "--resume", "auto"], tmp_path)
+    assert "warning: no profile: 2 steps are left after the checkpoint, fewer than the 5 that --profile_steps 1 " \
+           "needs" in capsys.readouterr().out
+    assert len(train_losses(result)) == 2 and not (tmp_path / "log" / "profile_trace.json.gz").exists()
