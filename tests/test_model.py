@@ -118,6 +118,21 @@ def test_the_loss_is_chunked_unless_compile_fuses_it(flags, expected):
     assert t.build_model(cfg, t.Launch(), "cpu").loss_chunk_size == expected
 
 
+@pytest.mark.parametrize("chunk_size", [0, 5])
+def test_the_training_forward_is_one_graph_for_torch_compile(chunk_size):
+    """A graph break would split what compile fuses on a GPU; fullgraph=True turns any break into an error.
+    The eager backend runs dynamo's capture without generating kernels, so the loss is the eager one exactly."""
+    model = tiny_model(vocab_size=300)
+    model.loss_chunk_size = chunk_size
+    x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        captured = torch.compile(model, fullgraph=True, backend="eager")(x, y)
+        eager = model(x, y)
+    captured.backward()
+    assert captured.item() == eager.item()
+    assert model.transformer.wte.weight.grad is not None
+
+
 def test_fp8_is_refused_without_a_float8_gpu():
     with pytest.raises(t.ConfigError, match=r"^--fp8 needs an NVIDIA GPU with float8 matmuls \(compute capability 8.9 "
                                             r"or newer: Ada, Hopper\); this run is on cpu: drop --fp8$"):
