@@ -118,12 +118,15 @@ def test_the_loss_is_chunked_unless_compile_fuses_it(flags, expected):
     assert t.build_model(cfg, t.Launch(), "cpu").loss_chunk_size == expected
 
 
-@pytest.mark.parametrize("chunk_size", [0, 5])
-def test_the_training_forward_is_one_graph_for_torch_compile(chunk_size):
+@pytest.mark.parametrize("chunk_size, fp8", [(0, False), (5, False), (0, True)])
+def test_the_training_forward_is_one_graph_for_torch_compile(chunk_size, fp8):
     """A graph break would split what compile fuses on a GPU; fullgraph=True turns any break into an error.
     The eager backend runs dynamo's capture without generating kernels, so the loss is the eager one exactly."""
     model = tiny_model(vocab_size=300)
     model.loss_chunk_size = chunk_size
+    if fp8:
+        pytest.importorskip("torchao")
+        t.convert_to_float8(model)
     x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         captured = torch.compile(model, fullgraph=True, backend="eager")(x, y)
