@@ -84,3 +84,16 @@ def test_a_rank_that_raises_mid_training_ends_every_rank(tmp_path):
     assert elapsed < 60, elapsed
     # rank 1 fails after step 3's collectives, so rank 0 may log step 3, but it never completes step 4
     assert "step     4/100000" not in result.stdout
+
+
+def test_compiled_ddp_with_accumulation_trains_like_one_eager_process(tmp_path):
+    """torch.compile under DDP, the multi-GPU default: dynamo splits the graph at DDP's gradient buckets, and
+    no_sync skips all but the last micro-step's all-reduce. On CPU with gloo the same code paths run."""
+    flags = TINY_ARGS + ["--max_steps", "3", "--total_batch_size", "512"]  # 2 micro-steps a rank
+    one = run_python(["train_gpt2.py"] + flags + ["--log_dir", str(tmp_path / "one")], env=ONE_THREAD)
+    two = torchrun(2, ["train_gpt2.py"] + flags + ["--compile", "--log_dir", str(tmp_path / "two")])
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    assert "compile on), 2 process(es)" in two.stdout
+    eager = [r["train_loss"] for r in records(tmp_path / "one") if "train_loss" in r]
+    compiled = [r["train_loss"] for r in records(tmp_path / "two") if "train_loss" in r]
+    assert len(eager) == 3 and max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4
