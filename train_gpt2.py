@@ -1211,9 +1211,21 @@ def step_summary(step_ms: list[float], tokens_per_step: int, flops_per_step: flo
     summary = {"timed_steps": len(timed), "median_ms": median_ms,
                "median_tokens_per_s": tokens_per_step * 1000 / median_ms,
                "peak_memory_gib": peak_memory_gib(device_type)}
+    if device_type == "cuda":  # what the caching allocator held: with its slack, this is what must fit the GPU
+        summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     if flops_per_step is not None:
         summary["mfu"] = flops_per_step * 1000 / median_ms / (cfg.peak_tflops * 1e12)
     return summary
+
+
+def summary_line(summary: dict, peak_tflops: float) -> str:
+    line = (f"summary: median {summary['median_ms']:.1f} ms/step, {summary['median_tokens_per_s']:,.0f} tokens/s "
+            f"over the last {summary['timed_steps']} steps; peak memory {summary['peak_memory_gib']:.2f} GiB")
+    if "peak_reserved_gib" in summary:
+        line += f" ({summary['peak_reserved_gib']:.2f} GiB reserved)"
+    if "mfu" in summary:
+        line += f"; MFU {100 * summary['mfu']:.1f}% of {peak_tflops:g} TFLOP/s"
+    return line
 
 
 def make_profiler(cfg: TrainConfig, device_type: str) -> torch.profiler.profile:
@@ -1401,11 +1413,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
         log.say(f"nothing to train: the checkpoint is at step {start_step} of --max_steps {cfg.max_steps}")
         return TrainResult(raw_model, log.records)
     summary = step_summary(step_ms, cfg.total_batch_size, flops_per_step, cfg, device_type)
-    line = (f"summary: median {summary['median_ms']:.1f} ms/step, {summary['median_tokens_per_s']:,.0f} tokens/s "
-            f"over the last {summary['timed_steps']} steps; peak memory {summary['peak_memory_gib']:.2f} GiB")
-    if "mfu" in summary:
-        line += f"; MFU {100 * summary['mfu']:.1f}% of {cfg.peak_tflops:g} TFLOP/s"
-    log.write({"summary": summary}, line)
+    log.write({"summary": summary}, summary_line(summary, cfg.peak_tflops))
     return TrainResult(raw_model, log.records)
 
 

@@ -169,3 +169,18 @@ def test_a_resumed_run_too_short_to_profile_says_so(tmp_path, capsys):
     assert "warning: no profile: 2 steps are left after the checkpoint, fewer than the 5 that --profile_steps 1 " \
            "needs" in capsys.readouterr().out
     assert len(train_losses(result)) == 2 and not (tmp_path / "log" / "profile_trace.json.gz").exists()
+
+
+def test_cuda_summary_has_mfu_and_both_memory_peaks(monkeypatch):
+    """The CUDA branch of the summary, with the CUDA memory counters stubbed: 124M's figures at 1,100 ms a step."""
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 25 * 2**30)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 27.5 * 2**30)
+    cfg = t.parse_args([])
+    flops_per_step = 860e6 * 524_288
+    summary = t.step_summary([5000.0, 3000.0, 2000.0, 1100.0, 1000.0, 1200.0], 524_288, flops_per_step, cfg, "cuda")
+    assert summary == {"timed_steps": 3, "median_ms": 1100.0, "median_tokens_per_s": 524_288 / 1.1,
+                       "peak_memory_gib": 25.0, "peak_reserved_gib": 27.5,
+                       "mfu": pytest.approx(860e6 * 524_288 / 1.1 / 989e12)}
+    assert t.summary_line(summary, cfg.peak_tflops) == (
+        "summary: median 1100.0 ms/step, 476,625 tokens/s over the last 3 steps; peak memory 25.00 GiB "
+        "(27.50 GiB reserved); MFU 41.4% of 989 TFLOP/s")
