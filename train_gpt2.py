@@ -1321,7 +1321,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
         log.say(f"resumed from step {start_step} ({checkpoint['windows_consumed']:,} windows into the data)")
     tokenizer = gpt2_tokenizer()
     if is_main:
-        print(f"device {device} ({str(dtype).removeprefix('torch.')}, compile {'on' if use_compile else 'off'}), "
+        compile_state = ("on" if cfg.compile_mode == "default" else cfg.compile_mode) if use_compile else "off"
+        print(f"device {device} ({str(dtype).removeprefix('torch.')}, compile {compile_state}), "
               f"{W} process(es); {num_params:,} parameters; {cfg.total_batch_size:,} tokens per step = "
               f"{accum_steps} micro-steps x {W} process(es) x {B} x {T}; "
               f"{train_loader.stream.num_tokens:,} train tokens",
