@@ -434,13 +434,17 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             chunk_hidden = hidden[rows].to(matmul_dtype)
             logits = (chunk_hidden @ matmul_weight.t()).float()  # (chunk, V): the only logits held
             chunk_targets = targets[rows]
-            log_normalizer = torch.logsumexp(logits, dim=-1)
-            loss_sum += (log_normalizer - logits.gather(1, chunk_targets[:, None]).squeeze(1)).sum()
+            target_logits = logits.gather(1, chunk_targets[:, None])  # (chunk, 1)
+            # log-sum-exp in place over the logits (torch.logsumexp would make a second (chunk, V) float32 tensor)
+            row_max = logits.amax(dim=-1, keepdim=True)
+            exp_shifted = logits.sub_(row_max).exp_()  # exp(logits - max), the logits are gone from here on
+            sum_exp = exp_shifted.sum(dim=-1, keepdim=True)
+            loss_sum += (row_max + sum_exp.log() - target_logits).sum()
             if wants_grad:
-                # d(mean loss)/d(logits) = (softmax - one_hot(target)) / N, computed in place over the logits
-                grad_logits = logits.sub_(log_normalizer[:, None]).exp_()
+                # d(mean loss)/d(logits) = (softmax - one_hot(target)) / N, in place over the same slice
+                grad_logits = exp_shifted.div_(sum_exp)
                 grad_logits[torch.arange(len(chunk_targets), device=logits.device), chunk_targets] -= 1.0
-                grad_logits = grad_logits.div_(num_rows).to(matmul_dtype)  # in place: no second float32 slice
+                grad_logits = grad_logits.div_(num_rows).to(matmul_dtype)
                 grad_hidden[rows] = grad_logits @ matmul_weight
                 grad_weight += (grad_logits.t() @ chunk_hidden).float()
         if wants_grad:
