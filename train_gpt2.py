@@ -213,6 +213,11 @@ def model_shape(cfg: TrainConfig) -> tuple[int, int, int]:
     return (cfg.n_layer or n_layer, cfg.n_head or n_head, cfg.n_embd or n_embd)
 
 
+def steps_to_profile(cfg: TrainConfig) -> int:
+    """Steps of a run that --profile_steps spans: the untimed ones, 1 for the profiler to warm up, the profiled ones."""
+    return UNTIMED_STEPS + 1 + cfg.profile_steps
+
+
 def check_config(cfg: TrainConfig, world_size: int) -> None:
     """Catch user mistakes before any heavy work; each ConfigError names the problem and the fix."""
     if cfg.model not in MODEL_SHAPES:
@@ -257,12 +262,11 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"--loss_chunk_size must be 0 or more, got {cfg.loss_chunk_size}")
     if cfg.ckpt_every < 0 or cfg.keep_ckpts < 0 or cfg.stop_after_steps < 0 or cfg.profile_steps < 0:
         raise ConfigError("--ckpt_every, --keep_ckpts, --stop_after_steps and --profile_steps must be 0 or more")
-    steps_to_profile = UNTIMED_STEPS + 1 + cfg.profile_steps
     run_steps, step_limit = ((cfg.stop_after_steps, "--stop_after_steps") if 0 < cfg.stop_after_steps < cfg.max_steps
                              else (cfg.max_steps, "--max_steps"))
-    if cfg.profile_steps and run_steps < steps_to_profile:
-        raise ConfigError(f"--profile_steps {cfg.profile_steps} needs {steps_to_profile} steps ({UNTIMED_STEPS} warm-up, "
-                          f"1 for the profiler): raise {step_limit} to {steps_to_profile}")
+    if cfg.profile_steps and run_steps < steps_to_profile(cfg):
+        raise ConfigError(f"--profile_steps {cfg.profile_steps} needs {steps_to_profile(cfg)} steps ({UNTIMED_STEPS} "
+                          f"warm-up, 1 for the profiler): raise {step_limit} to {steps_to_profile(cfg)}")
     if cfg.top_k < 1 or cfg.temperature <= 0:
         raise ConfigError(f"--top_k ({cfg.top_k}) must be at least 1 and --temperature ({cfg.temperature}) above 0")
     if cfg.init_from and cfg.init_from not in MODEL_SHAPES and not os.path.isfile(cfg.init_from):
@@ -1335,10 +1339,9 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
     step_ms, epoch = [], train_loader.epoch
     profiler = None
     if is_main and cfg.profile_steps:
-        steps_to_profile = UNTIMED_STEPS + 1 + cfg.profile_steps
-        if cfg.max_steps - start_step < steps_to_profile:
+        if cfg.max_steps - start_step < steps_to_profile(cfg):
             log.say(f"warning: no profile: {cfg.max_steps - start_step} steps are left after the checkpoint, "
-                    f"fewer than the {steps_to_profile} that --profile_steps {cfg.profile_steps} needs")
+                    f"fewer than the {steps_to_profile(cfg)} that --profile_steps {cfg.profile_steps} needs")
         else:
             profiler = make_profiler(cfg, device_type)
             profiler.start()
@@ -1357,7 +1360,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
         scaler.update()
         train_loss, grad_norm = train_loss.item(), grad_norm.item()  # waits for the device
         elapsed_ms = (time.perf_counter() - started) * 1000
-        if not (profiler and UNTIMED_STEPS <= step - start_step <= UNTIMED_STEPS + cfg.profile_steps):
+        if not (profiler and UNTIMED_STEPS <= step - start_step < steps_to_profile(cfg)):
             step_ms.append(elapsed_ms)  # profiled steps run slower
 
         tokens_per_s = cfg.total_batch_size * 1000 / elapsed_ms
