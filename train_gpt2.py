@@ -112,8 +112,8 @@ class TrainConfig:
     compile: bool | None = field(default=None, metadata={"help": "torch.compile the model (default: on for CUDA only)"})
     compile_mode: str = field(
         default="default",
-        metadata={"help": "torch.compile's mode: default, reduce-overhead (replays each step's kernels as CUDA graphs), "
-                  "max-autotune (also benchmarks matmul kernels: minutes more compiling) or "
+        metadata={"help": "torch.compile's mode: default, reduce-overhead (replays each step's kernels as CUDA "
+                  "graphs), max-autotune (also benchmarks matmul kernels: minutes more compiling) or "
                   "max-autotune-no-cudagraphs"},
     )
     fp8: bool = field(
@@ -1248,7 +1248,8 @@ def make_profiler(cfg: TrainConfig, device_type: str) -> torch.profiler.profile:
         profiler.export_chrome_trace(trace_path)  # gzipped because of the name: 124M steps hold many kernels
         by = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
         print(profiler.key_averages().table(sort_by=by, row_limit=25), flush=True)
-        print(f"profile of {cfg.profile_steps} step(s) written to {trace_path} (open it in ui.perfetto.dev)", flush=True)
+        print(f"profile of {cfg.profile_steps} step(s) written to {trace_path} (open it in ui.perfetto.dev)",
+              flush=True)
 
     schedule = torch.profiler.schedule(wait=UNTIMED_STEPS, warmup=1, active=cfg.profile_steps, repeat=1)
     return torch.profiler.profile(activities=activities, schedule=schedule, on_trace_ready=report)
