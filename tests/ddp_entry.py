@@ -4,6 +4,8 @@
     ddp_entry.py fail RANK STEP FLAGS...       train, with rank RANK raising at step STEP
     ddp_entry.py bad_data RANK FLAGS...        train, with only rank RANK unable to read its data
     ddp_entry.py grad_sync OUT                 one accumulated step both ways; rank 0 saves both gradients
+    ddp_entry.py own_log_dir FLAGS...          train with --log_dir/rank<R> on each rank, as machines that
+                                               share no storage would see it
 """
 
 import contextlib
@@ -50,6 +52,12 @@ def bad_data(rank, flags):
     train_gpt2.main(train_gpt2.parse_args(flags))
 
 
+def own_log_dir(flags):
+    cfg = train_gpt2.parse_args(flags)
+    cfg.log_dir = os.path.join(cfg.log_dir, f"rank{os.environ['RANK']}")
+    train_gpt2.main(cfg)
+
+
 def grad_sync(out):
     launch = train_gpt2.launch_from_env(os.environ)
     train_gpt2.init_distributed(launch, "cpu")
@@ -77,5 +85,7 @@ if __name__ == "__main__":
         fail(args[0], int(args[1]), args[2:])
     elif command == "bad_data":
         bad_data(args[0], args[1:])
+    elif command == "own_log_dir":
+        own_log_dir(args)
     else:
         grad_sync(args[0])

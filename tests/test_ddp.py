@@ -74,6 +74,20 @@ def test_a_data_error_only_one_rank_sees_is_told_once_and_stops_every_rank(tmp_p
     assert "step " not in result.stdout
 
 
+def test_ranks_that_find_different_checkpoints_are_refused_with_one_line(tmp_path):
+    """--resume auto where each machine has its own --log_dir: only rank 0's holds a checkpoint."""
+    flags = TINY_ARGS + ["--max_steps", "4"]
+    first = run_python(["train_gpt2.py"] + flags + ["--log_dir", str(tmp_path / "log" / "rank0"),
+                                                    "--stop_after_steps", "2"], env=ONE_THREAD)
+    assert first.returncode == 0, first.stderr
+    result = torchrun(2, [ENTRY, "own_log_dir"] + flags + ["--log_dir", str(tmp_path / "log"), "--resume", "auto"])
+    assert result.returncode != 0
+    message = ("error: the ranks found different checkpoints (steps [2, None]): put --log_dir on storage that every "
+               "machine shares, or pass --resume PATH")
+    assert result.stderr.splitlines().count(message) == 1, result.stderr
+    assert "step " not in result.stdout and "exitcode  : 1" not in result.stderr
+
+
 def test_a_rank_that_raises_mid_training_ends_every_rank(tmp_path):
     started = time.monotonic()
     flags = TINY_ARGS + ["--max_steps", "100000", "--log_dir", str(tmp_path / "log")]
