@@ -1312,7 +1312,9 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
     use_compile = compile_enabled(cfg, device)
     model = torch.compile(raw_model, mode=cfg.compile_mode) if use_compile else raw_model
     if launch.torchrun:
-        model = DDP(model, device_ids=[launch.local_rank] if device_type == "cuda" else None)
+        # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of beside them
+        model = DDP(model, device_ids=[launch.local_rank] if device_type == "cuda" else None,
+                    gradient_as_bucket_view=True)
     dtype, autocast = precision(cfg, device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)  # float16 needs loss scaling
     optimizer = configure_optimizer(raw_model, cfg, fused=device_type == "cuda")
