@@ -1111,11 +1111,7 @@ def build_model(cfg: TrainConfig, launch: Launch, device: str) -> GPT:
 
 
 def compile_enabled(cfg: TrainConfig, device: str) -> bool:
-    use_compile = cfg.compile if cfg.compile is not None else device.startswith("cuda")
-    if cfg.compile_mode != "default" and not use_compile:
-        raise ConfigError(f"--compile_mode {cfg.compile_mode} needs torch.compile, which is off on {device}: "
-                          "add --compile")
-    return use_compile
+    return cfg.compile if cfg.compile is not None else device.startswith("cuda")
 
 
 def check_fp8_supported(device: str, capability: tuple[int, int] | None) -> None:
@@ -1479,7 +1475,9 @@ def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult | dict |
     try:
         check_config(cfg, launch.world_size)
         device = pick_device(cfg.device, launch, torch.cuda.is_available(), torch.backends.mps.is_available())
-        compile_enabled(cfg, device)  # a --compile_mode that would not apply is refused here, before any work
+        if cfg.compile_mode != "default" and not compile_enabled(cfg, device):
+            raise ConfigError(f"--compile_mode {cfg.compile_mode} needs torch.compile, which is off on {device}: "
+                              "add --compile")
         if cfg.fp8:
             check_fp8_supported(device, torch.cuda.get_device_capability(device) if device.startswith("cuda") else None)
     except ConfigError as error:
