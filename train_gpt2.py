@@ -55,7 +55,8 @@ MODEL_SHAPES = {
 
 
 class ConfigError(Exception):
-    """A user mistake: main() prints its message as one line and exits with status 2."""
+    """A user mistake (or a run its settings made diverge): main() prints its message as one line and exits
+    with status 2."""
 
 
 # ----------------------------------------------------------------------------- config
@@ -1273,6 +1274,19 @@ def forward_backward(model, loader: DataLoader, accum_steps: int, device: str, a
     return loss_sum
 
 
+def check_step_finite(step: int, train_loss: float, grad_norm: float, loss_scaling: bool, log_dir: str) -> None:
+    """Stop a run whose loss or gradient norm is no longer finite: it has reached the weights already (clipping by an
+    infinite norm zeroes or NaNs the gradients), so nothing may be evaluated or checkpointed from them. With loss
+    scaling (float16) an infinite norm is routine: the GradScaler skips that step itself."""
+    if math.isfinite(train_loss) and (loss_scaling or math.isfinite(grad_norm)):
+        return
+    saved = checkpoint_paths(log_dir)
+    go_back = (f"go on from {saved[0]} (--resume {saved[0]}), or an older checkpoint if the loss was rising there "
+               "already," if saved else "start again")
+    raise ConfigError(f"training diverged at step {step}: loss {train_loss:.4g}, gradient norm {grad_norm:.4g}; "
+                      f"nothing was saved from this step: {go_back} with a lower --max_lr or more --warmup_steps")
+
+
 @dataclass
 class TrainResult:
     model: GPT  # the plain model: no DDP or compile wrapper
@@ -1371,6 +1385,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
             record["mfu"] = flops_per_step * 1000 / elapsed_ms / (cfg.peak_tflops * 1e12)
             line += f" | MFU {100 * record['mfu']:.1f}%"
         log.write(record, line)
+        # every rank holds the same all-reduced loss and gradients, so if one stops here, all do
+        check_step_finite(step, train_loss, grad_norm, scaler.is_enabled(), cfg.log_dir)
         if train_loader.epoch > epoch:
             epoch = train_loader.epoch
             log.write({"step": step, "epoch": epoch},
@@ -1463,9 +1479,11 @@ def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
 # ----------------------------------------------------------------------------- main
 
 
-def exit_on_user_error(error: ConfigError, launch: Launch) -> typing.NoReturn:
-    if launch.rank == 0:
+def exit_on_user_error(error: ConfigError, launch: Launch, leave_process_group: bool = False) -> typing.NoReturn:
+    if launch.rank == 0:  # said first: once a peer has exited, torchrun ends this process within a second
         print(f"error: {error}", file=sys.stderr, flush=True)
+    if leave_process_group:
+        dist.destroy_process_group()
     sys.exit(2)
 
 
@@ -1483,7 +1501,7 @@ def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult | dict |
     except ConfigError as error:
         exit_on_user_error(error, launch)
     init_distributed(launch, device)
-    result = user_error = None
+    result = None
     try:
         with StopSignal() as stop_signal:
             if cfg.generate:
@@ -1492,13 +1510,11 @@ def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult | dict |
                 result = evaluate_only(cfg, launch, device)
             else:
                 result = train(cfg, launch, device, stop_signal)
-    except ConfigError as error:  # on_every_rank raised it on every rank together
-        user_error = error
+    except ConfigError as error:  # raised on every rank together (on_every_rank, or the same diverged step)
+        exit_on_user_error(error, launch, leave_process_group=launch.torchrun)
     if launch.torchrun:
         # every rank gets here together; not after a crash, where a peer may be gone and this can block
         dist.destroy_process_group()
-    if user_error is not None:
-        exit_on_user_error(user_error, launch)
     return result
 
 

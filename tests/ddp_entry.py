@@ -3,6 +3,8 @@
     ddp_entry.py train OUT FLAGS...            train, then rank 0 saves the final weights to OUT
     ddp_entry.py fail RANK STEP FLAGS...       train, with rank RANK raising at step STEP
     ddp_entry.py bad_data RANK FLAGS...        train, with only rank RANK unable to read its data
+    ddp_entry.py nan_loss RANK STEP FLAGS...   train, with rank RANK's loss turning NaN at step STEP (one
+                                               micro-step a step)
     ddp_entry.py grad_sync OUT                 one accumulated step both ways; rank 0 saves both gradients
     ddp_entry.py own_log_dir FLAGS...          train with --log_dir/rank<R> on each rank, as machines that
                                                share no storage would see it
@@ -52,6 +54,22 @@ def bad_data(rank, flags):
     train_gpt2.main(train_gpt2.parse_args(flags))
 
 
+def nan_loss(rank, step, flags):
+    plain_forward = train_gpt2.GPT.forward
+    training_forwards = [0]
+
+    def forward_that_diverges_on_one_rank(self, idx, targets=None, cache=None):
+        loss = plain_forward(self, idx, targets, cache)
+        if targets is not None and self.training and os.environ["RANK"] == rank:
+            training_forwards[0] += 1
+            if training_forwards[0] == step + 1:
+                return loss * float("nan")  # its gradients are NaN too, and DDP averages them into every rank's
+        return loss
+
+    train_gpt2.GPT.forward = forward_that_diverges_on_one_rank
+    train_gpt2.main(train_gpt2.parse_args(flags))
+
+
 def own_log_dir(flags):
     cfg = train_gpt2.parse_args(flags)
     cfg.log_dir = os.path.join(cfg.log_dir, f"rank{os.environ['RANK']}")
@@ -85,6 +103,8 @@ if __name__ == "__main__":
         fail(args[0], int(args[1]), args[2:])
     elif command == "bad_data":
         bad_data(args[0], args[1:])
+    elif command == "nan_loss":
+        nan_loss(args[0], int(args[1]), args[2:])
     elif command == "own_log_dir":
         own_log_dir(args)
     else:

@@ -111,3 +111,22 @@ def test_compiled_ddp_with_accumulation_trains_like_one_eager_process(tmp_path):
     eager = [r["train_loss"] for r in records(tmp_path / "one") if "train_loss" in r]
     compiled = [r["train_loss"] for r in records(tmp_path / "two") if "train_loss" in r]
     assert len(eager) == 3 and max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4
+
+
+def test_a_loss_that_turns_nan_on_one_rank_stops_every_rank_with_one_line(tmp_path):
+    """Rank 1 alone sees a NaN loss at step 3; the averaged loss and gradients carry it to rank 0, so both ranks
+    stop at the same step, and the NaN weights are never checkpointed."""
+    started = time.monotonic()
+    log_dir = tmp_path / "log"
+    flags = TINY_ARGS + ["--ckpt_every", "1", "--keep_ckpts", "0", "--log_dir", str(log_dir)]
+    result = torchrun(2, [ENTRY, "nan_loss", "1", "3"] + flags, timeout=120)
+    assert time.monotonic() - started < 60
+    assert result.returncode != 0
+    message = (f"error: training diverged at step 3: loss nan, gradient norm nan; nothing was saved from this step: "
+               f"go on from {log_dir}/ckpt_3.pt (--resume {log_dir}/ckpt_3.pt), or an older checkpoint if the loss "
+               "was rising there already, with a lower --max_lr or more --warmup_steps")
+    assert result.stderr.splitlines().count(message) == 1, result.stderr  # said once, by rank 0
+    # both ranks stopped on their own: no traceback; torchrun may SIGTERM the later one as it exits
+    assert "exitcode  : 2" in result.stderr.split("Root Cause")[1] and "exitcode  : 1" not in result.stderr
+    assert sorted(p.name for p in log_dir.glob("ckpt_*.pt")) == ["ckpt_1.pt", "ckpt_2.pt", "ckpt_3.pt"]
+    assert "step     3/20 | loss nan" in result.stdout and "step     4/20" not in result.stdout

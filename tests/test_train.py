@@ -1,6 +1,7 @@
 import contextlib
 import gzip
 import json
+import math
 
 import pytest
 import torch
@@ -185,3 +186,33 @@ def test_cuda_summary_has_mfu_and_both_memory_peaks(monkeypatch):
     assert t.summary_line(summary, cfg.peak_tflops) == (
         "summary: median 1100.0 ms/step, 476,625 tokens/s over the last 3 steps; peak memory 25.00 GiB "
         "(27.50 GiB reserved); MFU 41.4% of 989 TFLOP/s")
+
+
+def test_a_diverging_run_stops_with_one_line_and_saves_nothing_from_that_step(tmp_path, capsys):
+    # with a learning rate of 1e8 the first update blows the weights up: step 1's loss is NaN
+    log_dir = tmp_path / "log"
+    with pytest.raises(SystemExit) as stopped:
+        run(["--max_lr", "1e8", "--warmup_steps", "0", "--ckpt_every", "1", "--keep_ckpts", "0"], tmp_path)
+    assert stopped.value.code == 2
+    checkpoint = log_dir / "ckpt_1.pt"
+    assert capsys.readouterr().err == (
+        f"error: training diverged at step 1: loss nan, gradient norm nan; nothing was saved from this step: "
+        f"go on from {checkpoint} (--resume {checkpoint}), or an older checkpoint if the loss was rising there "
+        "already, with a lower --max_lr or more --warmup_steps\n")
+    assert sorted(p.name for p in log_dir.glob("ckpt_*.pt")) == ["ckpt_1.pt"]  # none of the NaN weights
+    saved = torch.load(checkpoint)["model"]
+    assert all(torch.isfinite(tensor).all() for tensor in saved.values())
+    records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1] and math.isnan(records[1]["train_loss"])  # no summary
+
+
+def test_an_infinite_gradient_norm_stops_training_unless_float16_loss_scaling_skips_that_step(tmp_path):
+    # a finite loss with an infinite norm: clipping has zeroed (or NaN-ed) the gradients of this step
+    with pytest.raises(t.ConfigError) as stopped:
+        t.check_step_finite(7, 3.6e9, float("inf"), loss_scaling=False, log_dir=str(tmp_path))
+    assert str(stopped.value) == ("training diverged at step 7: loss 3.6e+09, gradient norm inf; nothing was saved "
+                                  "from this step: start again with a lower --max_lr or more --warmup_steps")
+    assert t.check_step_finite(7, 3.6, float("inf"), loss_scaling=True, log_dir=str(tmp_path)) is None
+    assert t.check_step_finite(7, 3.6, 1.5, loss_scaling=False, log_dir=str(tmp_path)) is None
+    with pytest.raises(t.ConfigError, match="at step 7: loss nan, gradient norm nan"):
+        t.check_step_finite(7, float("nan"), float("nan"), loss_scaling=True, log_dir=str(tmp_path))
