@@ -1479,6 +1479,24 @@ def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
 # ----------------------------------------------------------------------------- main
 
 
+def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str:
+    """The line for torch.OutOfMemoryError (CUDA, MPS): where memory ran out and the flag that fixes it."""
+    where = f"out of memory on {device}"
+    if device.startswith("cuda"):
+        held_gib = torch.cuda.max_memory_reserved(device) / 2**30
+        total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+        where += f" ({held_gib:.1f} of its {total_gib:.1f} GiB held by PyTorch at the peak)"
+    if cfg.generate:
+        return f"{where} while generating: lower --num_samples"
+    B, T = cfg.micro_batch_size, cfg.seq_len
+    if B == 1:
+        return f"{where} at micro batch 1 x {T}: lower --seq_len or pick a smaller --model"
+    # the largest smaller micro batch that still divides the step (1 always does)
+    smaller = next(b for b in range(B - 1, 0, -1) if cfg.total_batch_size % (b * T * world_size) == 0)
+    return (f"{where} at micro batch {B} x {T}: lower --micro_batch_size to {smaller} (a step stays "
+            f"{cfg.total_batch_size:,} tokens, in more micro-steps)")
+
+
 def exit_on_user_error(error: ConfigError, launch: Launch, leave_process_group: bool = False) -> typing.NoReturn:
     if launch.rank == 0:  # said first: once a peer has exited, torchrun ends this process within a second
         print(f"error: {error}", file=sys.stderr, flush=True)
@@ -1512,6 +1530,11 @@ def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult | dict |
                 result = train(cfg, launch, device, stop_signal)
     except ConfigError as error:  # raised on every rank together (on_every_rank, or the same diverged step)
         exit_on_user_error(error, launch, leave_process_group=launch.torchrun)
+    except torch.OutOfMemoryError:
+        # the other ranks wait inside a collective, where nothing can reach them: each rank that ran out says so
+        on_rank = f" (on rank {launch.rank})" if launch.rank else ""
+        print(f"error: {out_of_memory_message(cfg, device, launch.world_size)}{on_rank}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if launch.torchrun:
         # every rank gets here together; not after a crash, where a peer may be gone and this can block
         dist.destroy_process_group()

@@ -2,6 +2,7 @@
 
     ddp_entry.py train OUT FLAGS...            train, then rank 0 saves the final weights to OUT
     ddp_entry.py fail RANK STEP FLAGS...       train, with rank RANK raising at step STEP
+    ddp_entry.py oom RANK STEP FLAGS...        the same, with the error CUDA raises when memory runs out
     ddp_entry.py bad_data RANK FLAGS...        train, with only rank RANK unable to read its data
     ddp_entry.py nan_loss RANK STEP FLAGS...   train, with rank RANK's loss turning NaN at step STEP (one
                                                micro-step a step)
@@ -30,12 +31,12 @@ def train(out, flags):
         torch.save(result.model.state_dict(), out)
 
 
-def fail(rank, step, flags):
+def fail(rank, step, flags, error=RuntimeError):
     plain_lr_at = train_gpt2.lr_at
 
     def lr_at_that_fails(current_step, cfg):
         if current_step == step and os.environ["RANK"] == rank:
-            raise RuntimeError(f"injected failure on rank {rank} at step {step}")
+            raise error(f"injected failure on rank {rank} at step {step}")
         return plain_lr_at(current_step, cfg)
 
     train_gpt2.lr_at = lr_at_that_fails
@@ -101,6 +102,8 @@ if __name__ == "__main__":
         train(args[0], args[1:])
     elif command == "fail":
         fail(args[0], int(args[1]), args[2:])
+    elif command == "oom":
+        fail(args[0], int(args[1]), args[2:], error=torch.OutOfMemoryError)
     elif command == "bad_data":
         bad_data(args[0], args[1:])
     elif command == "nan_loss":

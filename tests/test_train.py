@@ -216,3 +216,32 @@ def test_an_infinite_gradient_norm_stops_training_unless_float16_loss_scaling_sk
     assert t.check_step_finite(7, 3.6, 1.5, loss_scaling=False, log_dir=str(tmp_path)) is None
     with pytest.raises(t.ConfigError, match="at step 7: loss nan, gradient norm nan"):
         t.check_step_finite(7, float("nan"), float("nan"), loss_scaling=True, log_dir=str(tmp_path))
+
+
+def raise_out_of_memory(*args, **kwargs):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.28 GiB.")  # what CUDA and MPS raise
+
+
+@pytest.mark.parametrize("flags, fix", [
+    ([], "at micro batch 4 x 32: lower --micro_batch_size to 2 (a step stays 256 tokens, in more micro-steps)"),
+    (["--micro_batch_size", "1"], "at micro batch 1 x 32: lower --seq_len or pick a smaller --model"),
+    (["--generate"], "while generating: lower --num_samples"),
+])
+def test_running_out_of_device_memory_is_one_line_naming_the_flag_to_lower(tmp_path, capsys, monkeypatch, flags,
+                                                                             fix):
+    monkeypatch.setattr(t.GPT, "forward", raise_out_of_memory)
+    with pytest.raises(SystemExit) as stopped:
+        run(flags, tmp_path)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == f"error: out of memory on cpu {fix}\n"
+
+
+def test_the_out_of_memory_line_on_cuda_says_how_much_was_in_use(monkeypatch):
+    properties = type("DeviceProperties", (), {"total_memory": 80 * 2**30})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 79.5 * 2**30)
+    # each of 8 GPUs takes 96 sequences a step: the largest micro batch under 48 that divides 96 is 32, not 24
+    cfg = t.parse_args(["--micro_batch_size", "48", "--total_batch_size", str(48 * 1024 * 8 * 2)])
+    assert t.out_of_memory_message(cfg, "cuda:3", world_size=8) == (
+        "out of memory on cuda:3 (79.5 of its 80.0 GiB held by PyTorch at the peak) at micro batch 48 x 1024: lower "
+        "--micro_batch_size to 32 (a step stays 786,432 tokens, in more micro-steps)")
