@@ -5,7 +5,7 @@
 
 The file reads top to bottom in the order data flows: config, model, data, distributed setup,
 optimizer and schedule, evaluation, weights to start from, checkpoints, run setup, logging, the
-training loop, other run modes (--generate, --eval_only), main. `python train_gpt2.py --help` lists
+training loop, other run modes (--generate, --eval_only, --export_hf), main. `python train_gpt2.py --help` lists
 every flag.
 """
 
@@ -146,6 +146,10 @@ class TrainConfig:
     eval_only: bool = field(default=False, metadata={"help": "print the val loss and HellaSwag accuracy, then exit"})
     generate: bool = field(default=False, metadata={"help": "print --num_samples continuations of --prompt, then exit"})
     kv_cache: bool = field(default=True, metadata={"help": "generate with a key/value cache (same tokens, faster)"})
+    export_hf: str = field(
+        default="", metadata={"help": "write --init_from's weights to this folder as a transformers GPT-2 model "
+                              "(GPT2LMHeadModel.from_pretrained reads it), then exit"}
+    )
     # evaluation and logging
     eval_every: int = field(default=250, metadata={"help": "validation loss every N steps and at the end; 0: never"})
     eval_steps: int = field(
@@ -277,9 +281,12 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"--init_from {cfg.init_from} sets the model's shape: drop {flags}")
     if cfg.generate and (cfg.eval_only or world_size > 1):
         raise ConfigError("--generate runs alone in one process: drop --eval_only, and use python, not torchrun")
+    if cfg.export_hf and (not cfg.init_from or cfg.generate or cfg.eval_only or world_size > 1):
+        raise ConfigError("--export_hf runs alone in one process and needs --init_from with the checkpoint to "
+                          "export: add it, drop --generate and --eval_only, and use python, not torchrun")
     if cfg.hellaswag_path and not os.path.isfile(cfg.hellaswag_path):
         raise ConfigError(f"--hellaswag_path {cfg.hellaswag_path} does not exist: give hellaswag_val.jsonl's path")
-    if cfg.generate:
+    if cfg.generate or cfg.export_hf:
         return  # needs no data
     if cfg.data_dir:
         for split in ("train", "val"):
@@ -893,6 +900,19 @@ def state_from_openai(hf_state: dict) -> dict:
             if not name.endswith((".attn.bias", ".attn.masked_bias"))}  # causal-mask buffers of older versions
 
 
+def state_to_openai(state: dict, vocab_size: int) -> dict:
+    """Our state in transformers' GPT2LMHeadModel layout (state_from_openai undone), keeping the first vocab_size
+    rows of the vocabulary: the padding rows are no token, and no tokenizer could decode them."""
+    exported = {}
+    for name, tensor in state.items():
+        if name.endswith(OPENAI_TRANSPOSED):
+            tensor = tensor.t()
+        if name in ("transformer.wte.weight", "lm_head.weight"):
+            tensor = tensor[:vocab_size]
+        exported[name] = tensor.contiguous()
+    return exported
+
+
 def load_openai_weights(name: str) -> dict:
     try:
         from transformers import GPT2LMHeadModel  # only this path needs it
@@ -1476,6 +1496,26 @@ def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
     return result
 
 
+def export_hf(cfg: TrainConfig) -> str:
+    """--export_hf: --init_from's weights as a transformers GPT-2 folder (config.json, model.safetensors)."""
+    try:
+        from transformers import GPT2Config, GPT2LMHeadModel  # only this path needs it
+    except ImportError:
+        raise ConfigError("--export_hf needs the transformers library: pip install transformers") from None
+    model_config, state = initial_weights(cfg)
+    vocab_size = min(model_config.vocab_size, GPT2_VOCAB_SIZE)
+    # transformers' defaults for the rest match ours: tanh GELU ("gelu_new"), LayerNorm eps 1e-5, tied embeddings;
+    # dropout off, as in our model, so that fine-tuning it there starts from the same function
+    hf_model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab_size, n_positions=model_config.block_size,
+                                          n_embd=model_config.n_embd, n_layer=model_config.n_layer,
+                                          n_head=model_config.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    hf_model.load_state_dict(state_to_openai(state, vocab_size))
+    hf_model.save_pretrained(cfg.export_hf)
+    print(f"wrote {cfg.init_from} to {cfg.export_hf}: GPT2LMHeadModel.from_pretrained({cfg.export_hf!r}) loads it, "
+          "with GPT-2's tokenizer (AutoTokenizer.from_pretrained('gpt2'))", flush=True)
+    return cfg.export_hf
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -1506,7 +1546,7 @@ def exit_on_user_error(error: ConfigError, launch: Launch, leave_process_group: 
 
 
 @record  # under torchrun, the failure summary then names the failing rank and shows its traceback
-def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult | dict | list[str]:
+def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult | dict | list[str] | str:
     launch = launch or launch_from_env(os.environ)
     try:
         check_config(cfg, launch.world_size)
@@ -1522,7 +1562,9 @@ def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult | dict |
     result = None
     try:
         with StopSignal() as stop_signal:
-            if cfg.generate:
+            if cfg.export_hf:
+                result = export_hf(cfg)
+            elif cfg.generate:
                 result = generate_samples(cfg, launch, device)
             elif cfg.eval_only:
                 result = evaluate_only(cfg, launch, device)

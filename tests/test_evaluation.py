@@ -160,6 +160,39 @@ def test_init_from_gpt2_offline_says_so_in_one_line(monkeypatch, capsys):
                     "to load the files of gpt2.): check the network")
 
 
+def test_export_hf_gives_transformers_the_same_model(one_thread, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    trained = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "3", "--log_dir", str(tmp_path / "log")])).model
+    t.main(t.parse_args(["--init_from", str(tmp_path / "log" / "ckpt_3.pt"), "--export_hf", str(tmp_path / "hf")]))
+    hf_model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
+    assert hf_model.config.vocab_size == 50257 and hf_model.config.n_positions == 64  # no padding rows
+    assert hf_model.lm_head.weight.data_ptr() == hf_model.transformer.wte.weight.data_ptr()  # still tied
+    idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours = trained.eval()(idx)[..., :50257]
+        torch.testing.assert_close(hf_model.eval()(idx).logits, ours, rtol=0, atol=1e-5)
+        torch.testing.assert_close(hf_model.train()(idx).logits, ours, rtol=0, atol=1e-5)  # no dropout either
+
+
+@pytest.mark.parametrize("flags", [["--export_hf", "hf"], ["--export_hf", "hf", "--init_from", "gpt2", "--generate"]])
+def test_export_hf_without_a_checkpoint_or_with_another_mode_is_refused(capsys, flags):
+    assert one_line_exit(capsys, flags) == (
+        "error: --export_hf runs alone in one process and needs --init_from with the checkpoint to export: add it, "
+        "drop --generate and --eval_only, and use python, not torchrun")
+
+
+def test_export_hf_without_transformers_says_how_to_get_it(tmp_path):
+    trained = tmp_path / "log" / "ckpt_2.pt"
+    assert run_script(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path / "log")]).returncode == 0
+    fake = tmp_path / "fake_modules" / "transformers"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('transformers is not installed')\n")
+    result = run_script(["--init_from", str(trained), "--export_hf", str(tmp_path / "hf")],
+                        env={"PYTHONPATH": str(tmp_path / "fake_modules")})
+    assert result.returncode == 2 and result.stdout == "" and not (tmp_path / "hf").exists()
+    assert result.stderr.strip() == "error: --export_hf needs the transformers library: pip install transformers"
+
+
 def test_init_from_our_checkpoint_and_generate(one_thread, tmp_path):
     trained = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "3", "--log_dir", str(tmp_path)]))
     args = ["--init_from", str(tmp_path / "ckpt_3.pt"), "--generate", "--device", "cpu", "--num_samples", "2",
