@@ -497,11 +497,17 @@ def gpt2_tokenizer():
 
 
 def write_atomically(path: str, write) -> None:
-    """write(temporary_path), flush it to disk, then rename: a reader sees the old file or the whole new one."""
+    """write(temporary_path), flush it to disk, then rename: a reader sees the old file or the whole new one.
+    A write that fails (a full disk) takes its partial temporary file with it."""
     temporary = f"{path}.tmp"
-    write(temporary)
-    with open(temporary, "rb+") as f:
-        os.fsync(f.fileno())
+    try:
+        write(temporary)
+        with open(temporary, "rb+") as f:
+            os.fsync(f.fileno())
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
     os.replace(temporary, path)
 
 
@@ -962,9 +968,13 @@ def file_sha256(path: str) -> str:
 def save_checkpoint(path: str, state: dict, keep: int) -> None:
     """Write the checkpoint and its sha256 beside it (torch.load misses a flipped byte in tensor data), then keep
     only the `keep` newest checkpoints."""
-    write_atomically(path, lambda temporary: torch.save(state, temporary))
-    digest = file_sha256(path)
-    write_atomically(f"{path}.sha256", lambda temporary: Path(temporary).write_text(digest + "\n"))
+    try:
+        write_atomically(path, lambda temporary: torch.save(state, temporary))
+        digest = file_sha256(path)
+        write_atomically(f"{path}.sha256", lambda temporary: Path(temporary).write_text(digest + "\n"))
+    except OSError as error:  # a full disk, a quota, a lost network mount: the older checkpoints are intact
+        raise ConfigError(f"cannot write checkpoint {path} ({error.strerror or error}): make room in "
+                          f"{os.path.dirname(path) or '.'} and run the same command with --resume auto") from None
     directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     os.fsync(directory)  # make the renames themselves durable
     os.close(directory)
@@ -1434,15 +1444,17 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
 
         stop = any_rank(stop_signal.requested, launch, device)
         pause = not last_step and cfg.stop_after_steps and steps_done - start_step == cfg.stop_after_steps
-        if is_main and (last_step or stop or pause or cfg.ckpt_every and steps_done % cfg.ckpt_every == 0):
-            state = {"model": raw_model.state_dict(), "model_config": dataclasses.asdict(raw_model.config),
-                     "optimizer": optimizer.state_dict(),
-                     "scaler": scaler.state_dict(), "step": steps_done, "config": dataclasses.asdict(cfg),
-                     "windows_consumed": train_loader.windows_consumed, "rng": rng_states()}
-            save_checkpoint(os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt"), state, cfg.keep_ckpts)
+        if last_step or stop or pause or cfg.ckpt_every and steps_done % cfg.ckpt_every == 0:
+            def write_checkpoint():  # rank 0 writes it; the others wait until it is complete, or stop with rank 0
+                if is_main:
+                    state = {"model": raw_model.state_dict(), "model_config": dataclasses.asdict(raw_model.config),
+                             "optimizer": optimizer.state_dict(),
+                             "scaler": scaler.state_dict(), "step": steps_done, "config": dataclasses.asdict(cfg),
+                             "windows_consumed": train_loader.windows_consumed, "rng": rng_states()}
+                    save_checkpoint(os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt"), state, cfg.keep_ckpts)
+
+            on_every_rank(write_checkpoint, launch)
         if stop or pause:
-            if launch.torchrun:
-                dist.barrier()  # no rank leaves before rank 0's checkpoint is complete
             reason = "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}"
             log.say(f"stopped by {reason} after step {step}, checkpoint {cfg.log_dir}/ckpt_{steps_done}.pt written: "
                     "to continue, run the same command with --resume auto")

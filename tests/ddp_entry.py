@@ -7,6 +7,7 @@
     ddp_entry.py nan_loss RANK STEP FLAGS...   train, with rank RANK's loss turning NaN at step STEP (one
                                                micro-step a step)
     ddp_entry.py grad_sync OUT                 one accumulated step both ways; rank 0 saves both gradients
+    ddp_entry.py disk_full NAME FLAGS...       train, with rank 0's disk full when it writes checkpoint NAME
     ddp_entry.py own_log_dir FLAGS...          train with --log_dir/rank<R> on each rank, as machines that
                                                share no storage would see it
 """
@@ -71,6 +72,15 @@ def nan_loss(rank, step, flags):
     train_gpt2.main(train_gpt2.parse_args(flags))
 
 
+def disk_full(checkpoint_name, flags):
+    if os.environ["RANK"] == "0":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from test_checkpoint import save_to_a_disk_that_fills_at
+
+        torch.save = save_to_a_disk_that_fills_at(checkpoint_name)
+    train_gpt2.main(train_gpt2.parse_args(flags))
+
+
 def own_log_dir(flags):
     cfg = train_gpt2.parse_args(flags)
     cfg.log_dir = os.path.join(cfg.log_dir, f"rank{os.environ['RANK']}")
@@ -108,6 +118,8 @@ if __name__ == "__main__":
         bad_data(args[0], args[1:])
     elif command == "nan_loss":
         nan_loss(args[0], int(args[1]), args[2:])
+    elif command == "disk_full":
+        disk_full(args[0], args[1:])
     elif command == "own_log_dir":
         own_log_dir(args)
     else:

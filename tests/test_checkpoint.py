@@ -1,3 +1,4 @@
+import errno
 import json
 import os
 import signal
@@ -39,6 +40,50 @@ def test_resume_is_exact_in_one_process(one_thread, tmp_path):
     assert logged(tmp_path / "resumed") == logged(tmp_path / "straight")  # all 8 steps, no duplicates
     assert logged(tmp_path / "resumed", "val_loss") == logged(tmp_path / "straight", "val_loss")
     assert_same_weights(resumed.model.state_dict(), straight.model.state_dict())
+
+
+def save_to_a_disk_that_fills_at(checkpoint_name, plain_save=torch.save):
+    """torch.save that writes part of checkpoint_name's file, then fails as a full disk does."""
+
+    def save(state, path):
+        if checkpoint_name not in str(path):
+            return plain_save(state, path)
+        with open(path, "wb") as f:
+            f.write(b"PK\x03\x04 the first megabytes of a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    return save
+
+
+def test_a_full_disk_stops_with_one_line_and_the_run_resumes_exactly(one_thread, tmp_path, capsys, monkeypatch):
+    log_dir = tmp_path / "resumed"
+    monkeypatch.setattr(torch, "save", save_to_a_disk_that_fills_at("ckpt_6.pt"))
+    with pytest.raises(SystemExit) as stopped:
+        run(["--ckpt_every", "3", "--keep_ckpts", "0"], log_dir)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (f"error: cannot write checkpoint {log_dir}/ckpt_6.pt (No space left on device): "
+                                       f"make room in {log_dir} and run the same command with --resume auto\n")
+    # the partial file is gone, the older checkpoint is whole
+    assert sorted(p.name for p in log_dir.iterdir()) == ["ckpt_3.pt", "ckpt_3.pt.sha256", "loss.png",
+                                                        "metrics.jsonl"]
+    monkeypatch.undo()
+    resumed = run(["--ckpt_every", "3", "--keep_ckpts", "0", "--resume", "auto"], log_dir)
+    straight = run([], tmp_path / "straight")
+    assert logged(log_dir) == logged(tmp_path / "straight")
+    assert_same_weights(resumed.model.state_dict(), straight.model.state_dict())
+
+
+def test_a_full_disk_on_rank_0_stops_every_rank_with_one_line(tmp_path):
+    log_dir = tmp_path / "log"
+    result = torchrun(2, [ENTRY, "disk_full", "ckpt_4.pt"] + TINY_ARGS + ["--ckpt_every", "2", "--log_dir", str(log_dir)],
+                      timeout=120)
+    assert result.returncode != 0
+    message = (f"error: cannot write checkpoint {log_dir}/ckpt_4.pt (No space left on device): make room in {log_dir} "
+               "and run the same command with --resume auto")
+    assert result.stderr.splitlines().count(message) == 1, result.stderr
+    # rank 1 waited for the checkpoint and stopped with rank 0: no lost-connection traceback from either
+    assert "exitcode  : 1" not in result.stderr and 'train_gpt2.py", line' not in result.stderr
+    assert sorted(p.name for p in log_dir.glob("ckpt_*")) == ["ckpt_2.pt", "ckpt_2.pt.sha256"]
 
 
 def test_resume_is_exact_under_two_processes(tmp_path):
