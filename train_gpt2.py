@@ -1110,7 +1110,15 @@ def open_data(cfg: TrainConfig, launch: Launch, with_val: bool) -> tuple[DataLoa
                        "validation") if with_val else None,
         )
 
-    return on_every_rank(loaders, launch)
+    train_loader, val_loader = on_every_rank(loaders, launch)
+    # machines with their own copies of the data (one still being copied, or made with other flags) would each
+    # cut the stream differently: some windows read twice, others never
+    token_counts = gather_from_ranks((train_loader.stream.num_tokens, val_loader and val_loader.stream.num_tokens),
+                                     launch)
+    if len(set(token_counts)) > 1:
+        raise ConfigError(f"the ranks read different data ((train, val) tokens on each: {token_counts}): give every "
+                          "machine the same shards")
+    return train_loader, val_loader
 
 
 def open_hellaswag(cfg: TrainConfig, launch: Launch) -> list[dict]:
@@ -1368,6 +1376,11 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
         if checkpoint["scaler"]:
             scaler.load_state_dict(checkpoint["scaler"])
         train_loader.windows_consumed = checkpoint["windows_consumed"]
+        saved_tokens, tokens = checkpoint.get("train_tokens"), train_loader.stream.num_tokens
+        if saved_tokens not in (None, tokens):  # None: a checkpoint from before this was stored
+            log.say(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held {saved_tokens:,}: "
+                    "the stored data position no longer points at the same tokens (some will be read twice or "
+                    "skipped); resume with the checkpoint's data to go on exactly")
         restore_rng_states(checkpoint["rng"])
         log.say(f"resumed from step {start_step} ({checkpoint['windows_consumed']:,} windows into the data)")
     tokenizer = gpt2_tokenizer()
@@ -1450,7 +1463,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
                     state = {"model": raw_model.state_dict(), "model_config": dataclasses.asdict(raw_model.config),
                              "optimizer": optimizer.state_dict(),
                              "scaler": scaler.state_dict(), "step": steps_done, "config": dataclasses.asdict(cfg),
-                             "windows_consumed": train_loader.windows_consumed, "rng": rng_states()}
+                             "windows_consumed": train_loader.windows_consumed,
+                             "train_tokens": train_loader.stream.num_tokens, "rng": rng_states()}
                     save_checkpoint(os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt"), state, cfg.keep_ckpts)
 
             on_every_rank(write_checkpoint, launch)

@@ -4,6 +4,7 @@
     ddp_entry.py fail RANK STEP FLAGS...       train, with rank RANK raising at step STEP
     ddp_entry.py oom RANK STEP FLAGS...        the same, with the error CUDA raises when memory runs out
     ddp_entry.py bad_data RANK FLAGS...        train, with only rank RANK unable to read its data
+    ddp_entry.py short_data RANK FLAGS...      train, with rank RANK's copy of the training data 1,000 tokens short
     ddp_entry.py nan_loss RANK STEP FLAGS...   train, with rank RANK's loss turning NaN at step STEP (one
                                                micro-step a step)
     ddp_entry.py grad_sync OUT                 one accumulated step both ways; rank 0 saves both gradients
@@ -53,6 +54,19 @@ def bad_data(rank, flags):
         return plain_load(cfg)
 
     train_gpt2.load_token_streams = load_that_fails_on_one_rank
+    train_gpt2.main(train_gpt2.parse_args(flags))
+
+
+def short_data(rank, flags):
+    plain_load = train_gpt2.load_token_streams
+
+    def load_short_on_one_rank(cfg):
+        train, val = plain_load(cfg)
+        if os.environ["RANK"] == rank:
+            train = train_gpt2.TokenStream([train.read(0, train.num_tokens - 1000).astype("uint16")])
+        return train, val
+
+    train_gpt2.load_token_streams = load_short_on_one_rank
     train_gpt2.main(train_gpt2.parse_args(flags))
 
 
@@ -114,6 +128,8 @@ if __name__ == "__main__":
         fail(args[0], int(args[1]), args[2:])
     elif command == "oom":
         fail(args[0], int(args[1]), args[2:], error=torch.OutOfMemoryError)
+    elif command == "short_data":
+        short_data(args[0], args[1:])
     elif command == "bad_data":
         bad_data(args[0], args[1:])
     elif command == "nan_loss":

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import train_gpt2 as t
-from conftest import ROOT, TINY_ARGS, run_script
+from conftest import ROOT, SHAKESPEARE, TINY_ARGS, run_script
 from test_ddp import ENTRY, ONE_THREAD, torchrun
 
 EIGHT_STEPS = TINY_ARGS + ["--max_steps", "8", "--eval_every", "4", "--eval_steps", "1"]
@@ -121,14 +121,28 @@ def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):
     run(["--max_steps", "3", "--warmup_steps", "1"], tmp_path)
     checkpoint = torch.load(tmp_path / "ckpt_3.pt", weights_only=True)  # the safe loader reads it
     assert set(checkpoint) == {"model", "model_config", "optimizer", "scaler", "step", "config", "windows_consumed",
-                               "rng"}
+                               "train_tokens", "rng"}
     assert checkpoint["model_config"] == {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64,
                                           "vocab_size": 50304}
     assert checkpoint["step"] == 3 and checkpoint["windows_consumed"] == 24
+    assert checkpoint["train_tokens"] == 304_222  # tiny Shakespeare's first 90%
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in checkpoint["model"])
     assert checkpoint["config"]["n_embd"] == 32
     assert set(checkpoint["rng"]) == {"python", "numpy", "torch_cpu", "torch_cuda"}
     assert (tmp_path / "ckpt_3.pt.sha256").read_text().strip() == t.file_sha256(str(tmp_path / "ckpt_3.pt"))
+
+
+def test_resuming_on_other_training_data_says_the_data_position_no_longer_matches(tmp_path, capsys):
+    run(["--stop_after_steps", "2"], tmp_path)
+    shorter = tmp_path / "shorter.txt"
+    shorter.write_text(SHAKESPEARE.read_text()[:500_000])
+    run(["--resume", "auto", "--stop_after_steps", "2"], tmp_path)  # the same data: no warning
+    assert "warning" not in capsys.readouterr().out
+    run(["--resume", "auto", "--text_file", str(shorter)], tmp_path)
+    train_tokens = len(t.read_text_tokens(str(shorter))) * 9 // 10
+    assert (f"warning: the training data holds {train_tokens:,} tokens, the checkpoint's held 304,222: the stored "
+            "data position no longer points at the same tokens (some will be read twice or skipped); resume with "
+            "the checkpoint's data to go on exactly") in capsys.readouterr().out.splitlines()
 
 
 def test_keep_ckpts_leaves_exactly_the_newest(tmp_path):

@@ -74,6 +74,15 @@ def test_a_data_error_only_one_rank_sees_is_told_once_and_stops_every_rank(tmp_p
     assert "step " not in result.stdout
 
 
+def test_ranks_that_read_different_data_are_refused_with_one_line(tmp_path):
+    result = torchrun(2, [ENTRY, "short_data", "1"] + TINY_ARGS + ["--eval_every", "5", "--log_dir", str(tmp_path)])
+    assert result.returncode != 0
+    message = ("error: the ranks read different data ((train, val) tokens on each: [(304222, 33803), (303222, 33803)]): "
+               "give every machine the same shards")
+    assert result.stderr.splitlines().count(message) == 1, result.stderr
+    assert "step " not in result.stdout and "exitcode  : 1" not in result.stderr
+
+
 def test_ranks_that_find_different_checkpoints_are_refused_with_one_line(tmp_path):
     """--resume auto where each machine has its own --log_dir: only rank 0's holds a checkpoint."""
     flags = TINY_ARGS + ["--max_steps", "4"]
