@@ -5,8 +5,8 @@
 
 The file reads top to bottom in the order data flows: config, model, data, distributed setup,
 optimizer and schedule, evaluation, weights to start from, checkpoints, run setup, logging, the
-training loop, other run modes (--generate, --eval_only, --export_hf), main. `python train_gpt2.py --help` lists
-every flag.
+training loop, other run modes (--generate, --eval_only, --export_hf), main.
+`python train_gpt2.py --help` lists every flag.
 """
 
 import argparse
