@@ -3,6 +3,8 @@
     ddp_entry.py train OUT FLAGS...            train, then rank 0 saves the final weights to OUT
     ddp_entry.py fail RANK STEP FLAGS...       train, with rank RANK raising at step STEP
     ddp_entry.py oom RANK STEP FLAGS...        the same, with the error CUDA raises when memory runs out
+    ddp_entry.py crash_once OUT RANK STEP FLAGS...  train as `train` does, with rank RANK raising at step STEP
+                                               in torchrun's first attempt only (a restart then goes through)
     ddp_entry.py bad_data RANK FLAGS...        train, with only rank RANK unable to read its data
     ddp_entry.py short_data RANK FLAGS...      train, with rank RANK's copy of the training data 1,000 tokens short
     ddp_entry.py nan_loss RANK STEP FLAGS...   train, with rank RANK's loss turning NaN at step STEP (one
@@ -33,7 +35,7 @@ def train(out, flags):
         torch.save(result.model.state_dict(), out)
 
 
-def fail(rank, step, flags, error=RuntimeError):
+def make_rank_fail(rank, step, error=RuntimeError):
     plain_lr_at = train_gpt2.lr_at
 
     def lr_at_that_fails(current_step, cfg):
@@ -42,7 +44,17 @@ def fail(rank, step, flags, error=RuntimeError):
         return plain_lr_at(current_step, cfg)
 
     train_gpt2.lr_at = lr_at_that_fails
+
+
+def fail(rank, step, flags, error=RuntimeError):
+    make_rank_fail(rank, step, error)
     train_gpt2.main(train_gpt2.parse_args(flags))
+
+
+def crash_once(out, rank, step, flags):
+    if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        make_rank_fail(rank, step)
+    train(out, flags)
 
 
 def bad_data(rank, flags):
@@ -126,6 +138,8 @@ if __name__ == "__main__":
         train(args[0], args[1:])
     elif command == "fail":
         fail(args[0], int(args[1]), args[2:])
+    elif command == "crash_once":
+        crash_once(args[0], args[1], int(args[2]), args[3:])
     elif command == "oom":
         fail(args[0], int(args[1]), args[2:], error=torch.OutOfMemoryError)
     elif command == "short_data":

@@ -86,17 +86,27 @@ def test_a_full_disk_on_rank_0_stops_every_rank_with_one_line(tmp_path):
     assert sorted(p.name for p in log_dir.glob("ckpt_*")) == ["ckpt_2.pt", "ckpt_2.pt.sha256"]
 
 
-def test_resume_is_exact_under_two_processes(tmp_path):
-    def two_processes(log_dir, *extra):
-        result = torchrun(2, [ENTRY, "train", str(log_dir / "final.pt")] + EIGHT_STEPS +
+def test_resume_is_exact_under_two_processes_and_after_torchrun_restarts_a_crashed_job(tmp_path):
+    def two_processes(log_dir, *extra, entry=("train",), torchrun_flags=()):
+        command, *entry_args = entry
+        result = torchrun(2, [*torchrun_flags, ENTRY, command, str(log_dir / "final.pt"), *entry_args] + EIGHT_STEPS +
                           ["--log_dir", str(log_dir), *extra])
         assert result.returncode == 0, result.stderr
+        return result
 
     two_processes(tmp_path / "straight")
     two_processes(tmp_path / "resumed", "--stop_after_steps", "4")
     two_processes(tmp_path / "resumed", "--resume", "auto")
     assert logged(tmp_path / "resumed") == logged(tmp_path / "straight")
     assert_same_weights(torch.load(tmp_path / "resumed" / "final.pt"), torch.load(tmp_path / "straight" / "final.pt"))
+    # rank 1 crashes at step 5; torchrun restarts both ranks, which go on from ckpt_4.pt as if nothing happened
+    restarted = two_processes(tmp_path / "restarted", "--ckpt_every", "2", "--resume", "auto",
+                              entry=("crash_once", "1", "5"), torchrun_flags=("--max-restarts=1",))
+    assert "injected failure on rank 1 at step 5" in restarted.stderr
+    assert "resumed from step 4" in restarted.stdout
+    assert logged(tmp_path / "restarted") == logged(tmp_path / "straight")
+    assert_same_weights(torch.load(tmp_path / "restarted" / "final.pt"),
+                        torch.load(tmp_path / "straight" / "final.pt"))
 
 
 @pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
