@@ -42,6 +42,7 @@ TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
 GPT2_VOCAB_SIZE = 50257
+END_OF_TEXT = 50256  # GPT-2's <|endoftext|>: it separates documents, and an empty prompt starts from it
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 UNTIMED_STEPS = 3  # a run's first steps (compilation, allocator warm-up), left out of its speed summary and profile
 
@@ -781,12 +782,14 @@ def estimate_val_loss(model, loader: DataLoader, eval_steps: int, accum_steps: i
 def generate(model: GPT, prompt_tokens: list[int], num_samples: int, max_new_tokens: int, temperature: float,
              top_k: int, seed: int, device: str, autocast, use_cache: bool = True) -> list[list[int]]:
     """Sample num_samples continuations; a private generator keeps the training RNG untouched and the text seeded.
+    An empty prompt samples text from scratch: the context is then <|endoftext|> alone, as in GPT-2's own samples.
 
     With use_cache, the first call reads the prompt and each later call only the newest token, until the text
     outgrows block_size; from there (and without the cache) each token rereads the last block_size tokens.
     """
     model.eval()
-    tokens = torch.tensor(prompt_tokens, device=device).repeat(num_samples, 1)  # (num_samples, prompt length)
+    context = prompt_tokens or [END_OF_TEXT]
+    tokens = torch.tensor(context, dtype=torch.long, device=device).repeat(num_samples, 1)  # (num_samples, length)
     generator = torch.Generator(device=device).manual_seed(seed)
     real_vocab = min(model.config.vocab_size, GPT2_VOCAB_SIZE)  # never sample a padding row
     cache = KVCache(model.config.n_layer) if use_cache else None
@@ -801,7 +804,7 @@ def generate(model: GPT, prompt_tokens: list[int], num_samples: int, max_new_tok
         choice = torch.multinomial(F.softmax(top_logits, dim=-1), 1, generator=generator)  # (num_samples, 1)
         tokens = torch.cat([tokens, torch.gather(top_ids, -1, choice)], dim=1)
     model.train()
-    return tokens[:, len(prompt_tokens) :].tolist()
+    return tokens[:, len(context) :].tolist()
 
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -1204,7 +1207,12 @@ class MetricsLog:
         self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
         self.records, self.plot_hint_given = [], False
         if active:
-            os.makedirs(log_dir, exist_ok=True)
+            try:
+                os.makedirs(log_dir, exist_ok=True)
+            except OSError as error:
+                problem = "it is a file" if os.path.isfile(log_dir) else error.strerror
+                raise ConfigError(f"cannot make --log_dir {log_dir} ({problem}): give a folder you can write to") \
+                    from None
 
     def begin(self, resume_step: int | None) -> None:
         """A new run starts an empty file; a resumed one keeps the records of the steps before resume_step."""
@@ -1334,7 +1342,7 @@ class TrainResult:
 def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal) -> TrainResult:
     device_type = device.split(":")[0]
     is_main = launch.rank == 0
-    log = MetricsLog(cfg.log_dir, active=is_main)
+    log = on_every_rank(lambda: MetricsLog(cfg.log_dir, active=is_main), launch)  # rank 0's folder may fail
     train_loader, val_loader = open_data(cfg, launch, with_val=cfg.eval_every > 0)
     hellaswag = open_hellaswag(cfg, launch) if cfg.hellaswag_every else []
     raw_model = build_model(cfg, launch, device)

@@ -118,6 +118,20 @@ def test_generate_never_samples_padding_rows_and_crops_to_block_size():
     assert tokens == [[7, 7, 7], [7, 7, 7]]
 
 
+class ContextRecordingModel(PaddedVocabModel):
+    def forward(self, idx):
+        self.contexts = getattr(self, "contexts", []) + [idx[0].tolist()]
+        return super().forward(idx)
+
+
+def test_an_empty_prompt_samples_from_end_of_text_as_gpt2_does():
+    model = ContextRecordingModel()
+    tokens = t.generate(model, [], num_samples=2, max_new_tokens=2, temperature=1.0, top_k=1, seed=0, device="cpu",
+                        autocast=contextlib.nullcontext, use_cache=False)
+    assert tokens == [[7, 7], [7, 7]]  # the new tokens only, not the <|endoftext|> they follow
+    assert model.contexts == [[50256], [50256, 7]]
+
+
 @pytest.mark.parametrize("dtype, tolerance", [("bfloat16", 0.02), ("float16", 0.01)])
 def test_reduced_precision_paths_track_float32(tmp_path, dtype, tolerance):
     """bf16 autocast and fp16 with a GradScaler are the GPU defaults; CPU autocast runs the same code."""
@@ -245,3 +259,14 @@ def test_the_out_of_memory_line_on_cuda_says_how_much_was_in_use(monkeypatch):
     assert t.out_of_memory_message(cfg, "cuda:3", world_size=8) == (
         "out of memory on cuda:3 (79.5 of its 80.0 GiB held by PyTorch at the peak) at micro batch 48 x 1024: lower "
         "--micro_batch_size to 32 (a step stays 786,432 tokens, in more micro-steps)")
+
+
+def test_a_log_dir_that_cannot_be_made_is_one_line(tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a folder")
+    for log_dir, problem in [(a_file, "it is a file"), (a_file / "log", "Not a directory")]:
+        with pytest.raises(SystemExit) as stopped:
+            t.main(t.parse_args(TINY_ARGS + ["--log_dir", str(log_dir)]))
+        assert stopped.value.code == 2
+        assert capsys.readouterr().err == (f"error: cannot make --log_dir {log_dir} ({problem}): give a folder you can "
+                                           "write to\n")
