@@ -266,8 +266,24 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         raise ConfigError(f"--eval_steps must be at least 1 when --eval_every is set, got {cfg.eval_steps}")
     if cfg.loss_chunk_size is not None and cfg.loss_chunk_size < 0:
         raise ConfigError(f"--loss_chunk_size must be 0 or more, got {cfg.loss_chunk_size}")
-    if cfg.ckpt_every < 0 or cfg.keep_ckpts < 0 or cfg.stop_after_steps < 0 or cfg.profile_steps < 0:
-        raise ConfigError("--ckpt_every, --keep_ckpts, --stop_after_steps and --profile_steps must be 0 or more")
+    if cfg.max_lr <= 0 or not 0 <= cfg.min_lr_ratio <= 1:
+        raise ConfigError(f"--max_lr ({cfg.max_lr}) must be above 0 and --min_lr_ratio ({cfg.min_lr_ratio}) "
+                          "between 0 and 1")
+    if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1) or cfg.eps < 0 or cfg.weight_decay < 0:
+        raise ConfigError(f"AdamW needs 0 <= --beta1 ({cfg.beta1}), --beta2 ({cfg.beta2}) < 1 and --eps ({cfg.eps}), "
+                          f"--weight_decay ({cfg.weight_decay}) of 0 or more")
+    if cfg.grad_clip < 0:  # clip_grad_norm_ would scale the gradients by a negative factor: training uphill
+        raise ConfigError(f"--grad_clip must be 0 (off) or more, got {cfg.grad_clip}")
+    if cfg.peak_tflops <= 0:
+        raise ConfigError(f"--peak_tflops must be above 0 (the device's peak, for MFU), got {cfg.peak_tflops}")
+    intervals = ["eval_every", "sample_every", "hellaswag_every", "ckpt_every", "keep_ckpts", "stop_after_steps",
+                 "profile_steps"]
+    negative = [f"--{name} {getattr(cfg, name)}" for name in intervals if getattr(cfg, name) < 0]
+    if negative:
+        raise ConfigError(f"{', '.join(negative)}: must be 0 (off) or more")
+    if cfg.num_samples < 1 or cfg.max_new_tokens < 0:
+        raise ConfigError(f"--num_samples ({cfg.num_samples}) must be at least 1 and --max_new_tokens "
+                          f"({cfg.max_new_tokens}) 0 or more")
     run_steps, step_limit = ((cfg.stop_after_steps, "--stop_after_steps") if 0 < cfg.stop_after_steps < cfg.max_steps
                              else (cfg.max_steps, "--max_steps"))
     if cfg.profile_steps and run_steps < steps_to_profile(cfg):
