@@ -95,7 +95,11 @@ def read_jsonl(path: str, text_field: str):
                 raise ConfigError(f"{path} line {line_number} is not valid JSON") from None
             if not isinstance(record, dict) or text_field not in record:
                 raise ConfigError(f"{path} line {line_number} has no field {text_field!r}: pass --text_field")
-            yield record[text_field]
+            text = record[text_field]
+            if not isinstance(text, str):
+                raise ConfigError(f"{path} line {line_number}: {text_field!r} is {json.dumps(text)[:40]}, "
+                                  "not a string: fix or drop that record")
+            yield text
 
 
 def read_parquet(path: str, text_field: str):
@@ -104,8 +108,13 @@ def read_parquet(path: str, text_field: str):
     table = pyarrow.parquet.ParquetFile(path)
     if text_field not in table.schema_arrow.names:
         raise ConfigError(f"{path} has no column {text_field!r} (it has {table.schema_arrow.names}): pass --text_field")
+    row = 0
     for batch in table.iter_batches(columns=[text_field]):
-        yield from batch.column(0).to_pylist()
+        for text in batch.column(0).to_pylist():
+            if not isinstance(text, str):
+                raise ConfigError(f"{path} row {row}: {text_field!r} is {text!r}, not a string: fix or drop that row")
+            row += 1
+            yield text
 
 
 def read_text(path: str, text_field: str):
@@ -141,7 +150,11 @@ def check_readers(paths: list[str] | None) -> None:
 
 def read_local_documents(paths: list[str], text_field: str):
     for path in paths:
-        yield from reader_for(path)(path, text_field)
+        try:
+            yield from reader_for(path)(path, text_field)
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start}): convert it to UTF-8") \
+                from None
 
 
 def read_hub_documents(cfg: ShardConfig):
@@ -234,7 +247,11 @@ def prepare_out_dir(out_dir: str, overwrite: bool) -> None:
         for pattern in ("*_train_*.npy", "*_val_*.npy", "*.npy.tmp"):  # what a loader could read, and leftovers
             for path in glob.glob(os.path.join(out_dir, pattern)):
                 os.remove(path)
-    os.makedirs(out_dir, exist_ok=True)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as error:
+        problem = "it is a file" if os.path.isfile(out_dir) else error.strerror
+        raise ConfigError(f"cannot make --out_dir {out_dir} ({problem}): give a folder you can write to") from None
 
 
 # ----------------------------------------------------------------------------- main

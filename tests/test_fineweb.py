@@ -173,6 +173,13 @@ def test_error_parquet_without_the_text_column(tmp_path):
     assert line == f"error: {corpus} has no column 'text' (it has ['id', 'body']): pass --text_field"
 
 
+def test_error_parquet_with_a_null_text_names_the_row(tmp_path):
+    corpus = tmp_path / "corpus.parquet"
+    write_parquet(corpus, {"text": ["fine", "also fine", None]}, row_group_size=2)
+    line = one_line_error(run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out")]))
+    assert line == f"error: {corpus} row 2: 'text' is None, not a string: fix or drop that row"
+
+
 def shard_training_args(out_dir, log_dir):
     args = TINY_ARGS[: TINY_ARGS.index("--text_file")]
     return args + ["--data_dir", str(out_dir), "--max_steps", "20", "--max_lr", "1e-2", "--eval_every", "20",
@@ -201,9 +208,18 @@ def test_end_to_end_train_on_the_shards_one_and_two_processes(sample_shards, tmp
     ("corpus.csv", "text\nhello\n", [], "{path}: unknown file type; use .jsonl, .jsonl.gz, .parquet, .txt"),
     ("corpus.jsonl", '{"text": "fine"}\nnot json\n', [], "{path} line 2 is not valid JSON"),
     ("corpus.jsonl", '{"text": "fine"}\n', ["--workers", "0"], "--shard_size (100000000) and --workers (0) must be at least 1"),
+    ("corpus.jsonl", '{"text": "fine"}\n{"text": null}\n', [],
+     "{path} line 2: 'text' is null, not a string: fix or drop that record"),
+    ("corpus.jsonl", '{"text": "fine"}\n{"text": ["a", "list"]}\n', ["--workers", "2"],
+     "{path} line 2: 'text' is [\"a\", \"list\"], not a string: fix or drop that record"),
+    ("corpus.txt", b"caf\xe9 in Latin-1", [],
+     "{path} is not UTF-8 text (invalid continuation byte at byte 3): convert it to UTF-8"),
+    ("corpus.jsonl", '{"text": "fine"}\n', ["--out_dir", "{path}"], "cannot make --out_dir {path} (it is a file): "
+                                                                    "give a folder you can write to"),
 ])
 def test_more_input_mistakes(tmp_path, name, content, args, message):
     path = tmp_path / name
-    path.write_text(content)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    args = [arg.format(path=path) for arg in args]
     line = one_line_error(run_fineweb(["--input", str(path), "--out_dir", str(tmp_path / "out")] + args))
     assert line == "error: " + message.format(path=path)
