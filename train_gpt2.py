@@ -541,8 +541,12 @@ def download(url: str, path: str, fix: str) -> None:
 
 def read_text_tokens(path: str) -> np.ndarray:
     """The whole text file as GPT-2 tokens, uint16 (ids fit: the vocabulary has 50257 entries)."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) else f"not UTF-8: {error.reason} at byte {error.start}"
+        raise ConfigError(f"cannot read --text_file {path} ({reason}): give a UTF-8 text file") from None
     return np.array(gpt2_tokenizer().encode_ordinary(text), dtype=np.uint16)
 
 
@@ -615,7 +619,7 @@ class DataLoader:
 
     def __init__(self, stream: TokenStream, batch_size: int, seq_len: int, rank: int, world_size: int,
                  windows_per_step: int, shuffle: bool, seed: int, name: str):
-        self.num_windows = (stream.num_tokens - 1) // seq_len
+        self.num_windows = max(0, stream.num_tokens - 1) // seq_len
         if self.num_windows < windows_per_step:
             raise ConfigError(
                 f"the {name} data holds {stream.num_tokens:,} tokens, {self.num_windows:,} windows of {seq_len} + 1, "

@@ -110,6 +110,21 @@ def test_data_with_fewer_windows_than_a_step_is_refused():
                                             r"step needs \(4\): use more data or a smaller batch"):
         loader(arange_stream(16))
     assert loader(arange_stream(17)).num_windows == 4  # B*T+1 tokens are enough for one step of B windows
+    with pytest.raises(t.ConfigError, match=r"holds 0 tokens, 0 windows of 4 \+ 1"):  # an empty file: not -1 windows
+        loader(t.TokenStream([np.zeros(0, dtype=np.uint16)]))
+
+
+@pytest.mark.parametrize("content, reason", [(b"caf\xe9 in Latin-1", "not UTF-8: invalid continuation byte at byte 3"),
+                                             (None, "Is a directory")])
+def test_a_text_file_that_cannot_be_read_is_one_line(tmp_path, content, reason):
+    path = tmp_path / "input.txt"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    with pytest.raises(t.ConfigError) as raised:
+        t.read_text_tokens(str(path))
+    assert str(raised.value) == f"cannot read --text_file {path} ({reason}): give a UTF-8 text file"
 
 
 def test_read_spans_array_boundaries():
