@@ -1071,17 +1071,20 @@ def restore_rng_states(states: dict) -> None:
 
 
 class StopSignal:
-    """SIGTERM (preemption, a scheduler's time limit) or Ctrl-C: finish the step, checkpoint, exit cleanly.
+    """SIGTERM (preemption, a scheduler's time limit), SIGHUP (the terminal or ssh session closed) or Ctrl-C: finish
+    the step, checkpoint, exit cleanly.
 
-    The handler only sets a flag; the loop checks it between steps. A second Ctrl-C stops at once.
+    The handler only sets a flag; the loop checks it between steps. A second Ctrl-C stops at once. A signal the
+    process was started to ignore stays ignored: under nohup, a closed session must not stop the run.
     """
 
     def __init__(self):
         self.requested, self.previous = False, {}
 
     def __enter__(self):
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            self.previous[signum] = signal.signal(signum, self.handle)
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            if signal.getsignal(signum) is not signal.SIG_IGN:
+                self.previous[signum] = signal.signal(signum, self.handle)
         return self
 
     def handle(self, signum, frame):

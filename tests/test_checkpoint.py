@@ -218,9 +218,12 @@ def test_resume_auto_without_checkpoints_starts_fresh(tmp_path, capsys):
     assert [r["step"] for r in result.records if "train_loss" in r] == [0, 1, 2]
 
 
-def start_training(args):
+def start_training(args, ignored_signal=None):
+    def ignore():  # as nohup starts a program
+        signal.signal(ignored_signal, signal.SIG_IGN)
+
     return subprocess.Popen([sys.executable, "-u"] + args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, **ONE_THREAD})
+                            text=True, env={**os.environ, **ONE_THREAD}, preexec_fn=ignore if ignored_signal else None)
 
 
 def wait_for_line(process, text, timeout=120):
@@ -233,7 +236,7 @@ def wait_for_line(process, text, timeout=120):
     raise AssertionError(f"{text!r} never printed: {''.join(seen)}")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])  # preemption, Ctrl-C
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])  # preemption, ssh gone, Ctrl-C
 def test_a_signal_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path, signum):
     args = TINY_ARGS + ["--max_steps", "100000", "--ckpt_every", "0", "--log_dir", str(tmp_path)]
     process = start_training(["train_gpt2.py"] + args)
@@ -253,6 +256,20 @@ def test_a_signal_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path, sign
     assert resumed.returncode == 0, resumed.stderr
     assert f"resumed from step {stopped_after + 1}" in resumed.stdout
     assert f"step {stopped_after + 1:5d}/100000 | loss" in resumed.stdout
+
+
+def test_under_nohup_a_closed_session_does_not_stop_the_run(tmp_path):
+    args = TINY_ARGS + ["--max_steps", "100000", "--ckpt_every", "0", "--log_dir", str(tmp_path)]
+    process = start_training(["train_gpt2.py"] + args, ignored_signal=signal.SIGHUP)
+    wait_for_line(process, "step     2/100000")
+    process.send_signal(signal.SIGHUP)
+    wait_for_line(process, "step    12/100000")  # still training, ten steps on
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 0, err
+    stopped_after = [int(line.split("after step ")[1].split(",")[0]) for line in out.splitlines()
+                     if line.startswith("stopped by a signal")]
+    assert len(stopped_after) == 1 and stopped_after[0] >= 12  # by the SIGTERM, not by the SIGHUP at step 2
 
 
 def test_sigterm_to_torchrun_checkpoints_once_and_every_rank_exits_cleanly(tmp_path):
