@@ -87,10 +87,10 @@ def test_a_full_disk_on_rank_0_stops_every_rank_with_one_line(tmp_path):
 
 
 def test_resume_is_exact_under_two_processes_and_after_torchrun_restarts_a_crashed_job(tmp_path):
-    def two_processes(log_dir, *extra, entry=("train",), torchrun_flags=()):
+    def two_processes(log_dir, *extra, entry=("train",), torchrun_flags=(), env=None):
         command, *entry_args = entry
         result = torchrun(2, [*torchrun_flags, ENTRY, command, str(log_dir / "final.pt"), *entry_args] + EIGHT_STEPS +
-                          ["--log_dir", str(log_dir), *extra])
+                          ["--log_dir", str(log_dir), *extra], env=env)
         assert result.returncode == 0, result.stderr
         return result
 
@@ -99,9 +99,12 @@ def test_resume_is_exact_under_two_processes_and_after_torchrun_restarts_a_crash
     two_processes(tmp_path / "resumed", "--resume", "auto")
     assert logged(tmp_path / "resumed") == logged(tmp_path / "straight")
     assert_same_weights(torch.load(tmp_path / "resumed" / "final.pt"), torch.load(tmp_path / "straight" / "final.pt"))
-    # rank 1 crashes at step 5; torchrun restarts both ranks, which go on from ckpt_4.pt as if nothing happened
+    # rank 1 crashes at step 5; torchrun restarts both ranks, which go on from ckpt_4.pt as if nothing happened.
+    # Without the variable, restarted ranks can read the last attempt's addresses from torchrun's shared store and
+    # fail to connect (PyTorch #135712, #167288): 3 of 4 tries here failed without it, 5 of 5 passed with it.
     restarted = two_processes(tmp_path / "restarted", "--ckpt_every", "2", "--resume", "auto",
-                              entry=("crash_once", "1", "5"), torchrun_flags=("--max-restarts=1",))
+                              entry=("crash_once", "1", "5"), torchrun_flags=("--max-restarts=1",),
+                              env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert "injected failure on rank 1 at step 5" in restarted.stderr
     assert "resumed from step 4" in restarted.stdout
     assert logged(tmp_path / "restarted") == logged(tmp_path / "straight")

@@ -12,9 +12,9 @@ ENTRY = "tests/ddp_entry.py"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
-def torchrun(nproc, args, timeout=240):
+def torchrun(nproc, args, timeout=240, env=None):
     return run_python(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + args,
-                      env=ONE_THREAD, timeout=timeout)
+                      env={**ONE_THREAD, **(env or {})}, timeout=timeout)
 
 
 def records(log_dir):
