@@ -1224,11 +1224,15 @@ def precision(cfg: TrainConfig, device_type: str):
 
 
 class MetricsLog:
-    """Prints and appends JSON records to <log_dir>/metrics.jsonl; silent on every rank but 0."""
+    """Prints and appends JSON records to <log_dir>/metrics.jsonl; silent on every rank but 0.
+
+    As a context manager (rank 0's) it also holds <log_dir>/run.lock, so that a second run started on the same
+    folder stops at once instead of interleaving its records and checkpoints with this one's.
+    """
 
     def __init__(self, log_dir: str, active: bool):
         self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
-        self.records, self.plot_hint_given = [], False
+        self.records, self.plot_hint_given, self.lock_file = [], False, None
         if active:
             try:
                 os.makedirs(log_dir, exist_ok=True)
@@ -1236,6 +1240,36 @@ class MetricsLog:
                 problem = "it is a file" if os.path.isfile(log_dir) else error.strerror
                 raise ConfigError(f"cannot make --log_dir {log_dir} ({problem}): give a folder you can write to") \
                     from None
+            self.lock(log_dir)
+
+    def lock(self, log_dir: str) -> None:
+        import fcntl  # Unix only; the kernel drops the lock when its process ends, so a crash leaves none behind
+
+        self.lock_file = open(os.path.join(log_dir, "run.lock"), "a+")
+        try:
+            fcntl.flock(self.lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.lock_file.seek(0)
+            holder = self.lock_file.read().strip()
+            self.close()
+            raise ConfigError(f"another run ({holder}) is writing to --log_dir {log_dir}: wait for it to end, stop "
+                              "it, or pass another --log_dir") from None
+        except OSError:  # a file system without locks (some network mounts): run unguarded rather than not at all
+            return
+        self.lock_file.truncate(0)
+        self.lock_file.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        self.lock_file.flush()
+
+    def close(self) -> None:
+        if self.lock_file is not None:
+            self.lock_file.close()  # releases the lock
+            self.lock_file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
 
     def begin(self, resume_step: int | None) -> None:
         """A new run starts an empty file; a resumed one keeps the records of the steps before resume_step."""
@@ -1362,10 +1396,9 @@ class TrainResult:
     records: list[dict]  # what rank 0 logged; empty on other ranks
 
 
-def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal) -> TrainResult:
+def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal, log: MetricsLog) -> TrainResult:
     device_type = device.split(":")[0]
     is_main = launch.rank == 0
-    log = on_every_rank(lambda: MetricsLog(cfg.log_dir, active=is_main), launch)  # rank 0's folder may fail
     train_loader, val_loader = open_data(cfg, launch, with_val=cfg.eval_every > 0)
     hellaswag = open_hellaswag(cfg, launch) if cfg.hellaswag_every else []
     raw_model = build_model(cfg, launch, device)
@@ -1626,7 +1659,9 @@ def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult | dict |
             elif cfg.eval_only:
                 result = evaluate_only(cfg, launch, device)
             else:
-                result = train(cfg, launch, device, stop_signal)
+                # rank 0's log folder may fail to open or be in use by another run: then every rank stops
+                with on_every_rank(lambda: MetricsLog(cfg.log_dir, active=launch.rank == 0), launch) as log:
+                    result = train(cfg, launch, device, stop_signal, log)
     except ConfigError as error:  # raised on every rank together (on_every_rank, or the same diverged step)
         exit_on_user_error(error, launch, leave_process_group=launch.torchrun)
     except torch.OutOfMemoryError:
