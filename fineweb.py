@@ -26,6 +26,11 @@ class ConfigError(Exception):
     """A user mistake: printed as one line, exit status 2."""
 
 
+# Lies in --out_dir while shards are being written, and stays there if the run is interrupted: train_gpt2.py
+# refuses a --data_dir that holds it, rather than train on the part written so far.
+INCOMPLETE_MARKER = "INCOMPLETE"
+
+
 # ----------------------------------------------------------------------------- config
 
 
@@ -244,7 +249,8 @@ def prepare_out_dir(out_dir: str, overwrite: bool) -> None:
         if not overwrite:
             raise ConfigError(f"--out_dir {out_dir} is not empty: pass --overwrite to replace its shards, "
                               "or choose another folder")
-        for pattern in ("*_train_*.npy", "*_val_*.npy", "*.npy.tmp"):  # what a loader could read, and leftovers
+        # what a loader could read, and an interrupted run's leftovers
+        for pattern in ("*_train_*.npy", "*_val_*.npy", "*.npy.tmp", INCOMPLETE_MARKER):
             for path in glob.glob(os.path.join(out_dir, pattern)):
                 os.remove(path)
     try:
@@ -262,6 +268,9 @@ def main(cfg: ShardConfig) -> tuple[int, int, int]:
     check_readers(paths)
     prepare_out_dir(cfg.out_dir, cfg.overwrite)
     prefix = cfg.prefix or os.path.basename(os.path.normpath(cfg.out_dir))
+    marker = os.path.join(cfg.out_dir, INCOMPLETE_MARKER)
+    with open(marker, "w") as f:
+        f.write("fineweb.py is writing the shards in this folder; if it was interrupted, rerun it with --overwrite\n")
     documents = read_local_documents(paths, cfg.text_field) if paths else read_hub_documents(cfg)
     from tqdm import tqdm
 
@@ -273,6 +282,7 @@ def main(cfg: ShardConfig) -> tuple[int, int, int]:
     num_documents, num_tokens, num_shards = counts
     if num_documents == 0:
         raise ConfigError(f"no documents in --input {' '.join(cfg.input)}: check the files")
+    os.remove(marker)  # every shard is complete and in place
     elapsed = time.perf_counter() - started
     print(f"{num_documents:,} documents, {num_tokens:,} tokens, {num_shards} shards in {cfg.out_dir}, "
           f"{num_tokens / elapsed:,.0f} tokens/s")

@@ -108,7 +108,7 @@ def test_error_record_without_the_text_field_names_file_and_line(tmp_path, worke
     line = one_line_error(run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out"),
                                        "--workers", workers]))
     assert line == f"error: {corpus} line 3 has no field 'text': pass --text_field"
-    assert list((tmp_path / "out").iterdir()) == []  # no shard from a failed run
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["INCOMPLETE"]  # no shard, and the folder says why
 
 
 def without_module(tmp_path, name):
@@ -189,6 +189,27 @@ def shard_training_args(out_dir, log_dir):
 def losses(log_dir):
     records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["train_loss"] for r in records if "train_loss" in r], [r["val_loss"] for r in records if "val_loss" in r]
+
+
+def test_an_interrupted_run_leaves_a_folder_the_trainer_refuses(tmp_path):
+    """A run stopped part way: its shards are whole, but training on them would be training on part of the data."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "' + "word " * 400 + '"}\n' + "not json\n")  # line 1 fills 4 shards, line 2 fails
+    line = one_line_error(run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out"),
+                                       "--shard_size", "100"]))
+    assert line == f"error: {corpus} line 2 is not valid JSON"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [  # 4 of the 401 tokens' shards were written
+        "INCOMPLETE", "out_train_000001.npy", "out_train_000002.npy", "out_train_000003.npy", "out_val_000000.npy"]
+    with pytest.raises(train_gpt2.ConfigError) as raised:
+        train_gpt2.find_shards(str(tmp_path / "out"), "val")
+    assert str(raised.value) == (f"--data_dir {tmp_path / 'out'} is incomplete: fineweb.py is still writing it, or "
+                                 "was interrupted (its INCOMPLETE file is there): wait for it, or rerun fineweb.py "
+                                 "with --overwrite")
+    corpus.write_text('{"text": "' + "word " * 400 + '"}\n')
+    assert run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out"), "--shard_size", "100",
+                        "--overwrite"]).returncode == 0
+    assert "INCOMPLETE" not in [p.name for p in (tmp_path / "out").iterdir()]
+    assert len(train_gpt2.find_shards(str(tmp_path / "out"), "train")) == 4  # 401 tokens: val + 4 train shards
 
 
 def test_end_to_end_train_on_the_shards_one_and_two_processes(sample_shards, tmp_path):
