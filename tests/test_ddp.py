@@ -17,6 +17,13 @@ def torchrun(nproc, args, timeout=240, env=None):
                       env={**ONE_THREAD, **(env or {})}, timeout=timeout)
 
 
+def assert_every_rank_stopped_with_one_line(result, message):
+    """The job failed; rank 0 said message, once; no rank crashed (a traceback would make its exit status 1)."""
+    assert result.returncode != 0
+    assert result.stderr.splitlines().count(message) == 1, result.stderr
+    assert "exitcode  : 1" not in result.stderr
+
+
 def records(log_dir):
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -66,21 +73,18 @@ def test_batch_not_divisible_by_world_size_stops_every_rank_with_one_line(tmp_pa
 
 def test_a_data_error_only_one_rank_sees_is_told_once_and_stops_every_rank(tmp_path):
     result = torchrun(2, [ENTRY, "bad_data", "1"] + TINY_ARGS + ["--log_dir", str(tmp_path / "log")])
-    assert result.returncode != 0
     # rank 1 alone failed, yet rank 0 prints its message, once, and both ranks exit with status 2
-    message = "error: cannot read shard /data/x_train_000001.npy (disk error) (on rank 1)"
-    assert result.stderr.splitlines().count(message) == 1, result.stderr
-    assert result.stderr.count("exitcode  : 2") >= 1 and "exitcode  : 1" not in result.stderr
-    assert "step " not in result.stdout
+    assert_every_rank_stopped_with_one_line(
+        result, "error: cannot read shard /data/x_train_000001.npy (disk error) (on rank 1)")
+    assert "exitcode  : 2" in result.stderr and "step " not in result.stdout
 
 
 def test_ranks_that_read_different_data_are_refused_with_one_line(tmp_path):
     result = torchrun(2, [ENTRY, "short_data", "1"] + TINY_ARGS + ["--eval_every", "5", "--log_dir", str(tmp_path)])
-    assert result.returncode != 0
-    message = ("error: the ranks read different data ((train, val) tokens on each: [(304222, 33803), (303222, 33803)]): "
-               "give every machine the same shards")
-    assert result.stderr.splitlines().count(message) == 1, result.stderr
-    assert "step " not in result.stdout and "exitcode  : 1" not in result.stderr
+    assert_every_rank_stopped_with_one_line(result, "error: the ranks read different data ((train, val) tokens on each: "
+                                                    "[(304222, 33803), (303222, 33803)]): give every machine the same "
+                                                    "shards")
+    assert "step " not in result.stdout
 
 
 def test_ranks_that_find_different_checkpoints_are_refused_with_one_line(tmp_path):
@@ -90,11 +94,10 @@ def test_ranks_that_find_different_checkpoints_are_refused_with_one_line(tmp_pat
                                                     "--stop_after_steps", "2"], env=ONE_THREAD)
     assert first.returncode == 0, first.stderr
     result = torchrun(2, [ENTRY, "own_log_dir"] + flags + ["--log_dir", str(tmp_path / "log"), "--resume", "auto"])
-    assert result.returncode != 0
-    message = ("error: the ranks found different checkpoints (steps [2, None]): put --log_dir on storage that every "
-               "machine shares, or pass --resume PATH")
-    assert result.stderr.splitlines().count(message) == 1, result.stderr
-    assert "step " not in result.stdout and "exitcode  : 1" not in result.stderr
+    assert_every_rank_stopped_with_one_line(result, "error: the ranks found different checkpoints (steps [2, None]): put "
+                                                    "--log_dir on storage that every machine shares, or pass --resume "
+                                                    "PATH")
+    assert "step " not in result.stdout
 
 
 def test_a_rank_that_raises_mid_training_ends_every_rank(tmp_path):
@@ -130,13 +133,12 @@ def test_a_loss_that_turns_nan_on_one_rank_stops_every_rank_with_one_line(tmp_pa
     flags = TINY_ARGS + ["--ckpt_every", "1", "--keep_ckpts", "0", "--log_dir", str(log_dir)]
     result = torchrun(2, [ENTRY, "nan_loss", "1", "3"] + flags, timeout=120)
     assert time.monotonic() - started < 60
-    assert result.returncode != 0
-    message = (f"error: training diverged at step 3: loss nan, gradient norm nan; nothing was saved from this step: "
-               f"go on from {log_dir}/ckpt_3.pt (--resume {log_dir}/ckpt_3.pt), or an older checkpoint if the loss "
-               "was rising there already, with a lower --max_lr or more --warmup_steps")
-    assert result.stderr.splitlines().count(message) == 1, result.stderr  # said once, by rank 0
-    # both ranks stopped on their own: no traceback; torchrun may SIGTERM the later one as it exits
-    assert "exitcode  : 2" in result.stderr.split("Root Cause")[1] and "exitcode  : 1" not in result.stderr
+    # both ranks stop on their own (torchrun may SIGTERM the later one as it exits)
+    assert_every_rank_stopped_with_one_line(
+        result, f"error: training diverged at step 3: loss nan, gradient norm nan; nothing was saved from this step: "
+                f"go on from {log_dir}/ckpt_3.pt (--resume {log_dir}/ckpt_3.pt), or an older checkpoint if the loss "
+                "was rising there already, with a lower --max_lr or more --warmup_steps")
+    assert "exitcode  : 2" in result.stderr.split("Root Cause")[1]
     assert sorted(p.name for p in log_dir.glob("ckpt_*.pt")) == ["ckpt_1.pt", "ckpt_2.pt", "ckpt_3.pt"]
     assert "step     3/20 | loss nan" in result.stdout and "step     4/20" not in result.stdout
 
