@@ -1281,9 +1281,18 @@ class MetricsLog:
         kept = []
         if resume_step is not None and os.path.exists(self.path):
             with open(self.path) as f:
-                kept = [line for line in f if json.loads(line).get("step", resume_step) < resume_step]
+                kept = [line for line in f if self.step_of(line, resume_step) < resume_step]
         with open(self.path, "w") as f:
             f.writelines(kept)
+
+    @staticmethod
+    def step_of(line: str, default: int) -> int:
+        """A record's step (default for the summary). A line cut short by a killed process, the last one it wrote,
+        reads as the default too, so that resuming drops it rather than fail on it."""
+        try:
+            return json.loads(line).get("step", default)
+        except json.JSONDecodeError:
+            return default
 
     def say(self, line: str) -> None:
         if self.active:

@@ -35,6 +35,8 @@ def test_resume_is_exact_in_one_process(one_thread, tmp_path):
     straight = run([], tmp_path / "straight")
     first_half = run(["--stop_after_steps", "4"], tmp_path / "resumed")
     assert [r["step"] for r in first_half.records if "train_loss" in r] == [0, 1, 2, 3]
+    with open(tmp_path / "resumed" / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "train_loss": 10.7')  # the tail of a process killed while writing a record
     resumed = run(["--resume", "auto"], tmp_path / "resumed")
     assert [r["step"] for r in resumed.records if "train_loss" in r] == [4, 5, 6, 7]
     assert logged(tmp_path / "resumed") == logged(tmp_path / "straight")  # all 8 steps, no duplicates
