@@ -1282,8 +1282,7 @@ class MetricsLog:
         if resume_step is not None and os.path.exists(self.path):
             with open(self.path) as f:
                 kept = [line for line in f if self.step_of(line, resume_step) < resume_step]
-        with open(self.path, "w") as f:
-            f.writelines(kept)
+        write_atomically(self.path, lambda temporary: Path(temporary).write_text("".join(kept)))  # all or nothing
 
     @staticmethod
     def step_of(line: str, default: int) -> int:
