@@ -245,7 +245,8 @@ def write_shards(token_arrays, out_dir: str, prefix: str, shard_size: int, progr
 
 
 def prepare_out_dir(out_dir: str, overwrite: bool) -> None:
-    if os.path.isdir(out_dir) and os.listdir(out_dir):
+    # a folder that holds nothing but the marker (a run that failed before its first shard) counts as empty
+    if os.path.isdir(out_dir) and set(os.listdir(out_dir)) - {INCOMPLETE_MARKER}:
         if not overwrite:
             raise ConfigError(f"--out_dir {out_dir} is not empty: pass --overwrite to replace its shards, "
                               "or choose another folder")

@@ -109,6 +109,10 @@ def test_error_record_without_the_text_field_names_file_and_line(tmp_path, worke
                                        "--workers", workers]))
     assert line == f"error: {corpus} line 3 has no field 'text': pass --text_field"
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["INCOMPLETE"]  # no shard, and the folder says why
+    if workers == "1":  # with no shard written, the corrected input goes into the same folder without --overwrite
+        corpus.write_text('{"text": "fine"}\n')
+        assert run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out")]).returncode == 0
+        assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["out_val_000000.npy"]
 
 
 def without_module(tmp_path, name):
