@@ -67,10 +67,11 @@ def test_data_dir_without_shards(tmp_path):
 def test_text_download_failure_offline(tmp_path):
     missing = tmp_path / "input.txt"
     url = "http://127.0.0.1:9/input.txt"  # the discard port: the connection is refused at once
-    line = one_line_error(run_script(TINY_ARGS + ["--text_file", str(missing), "--text_url", url]))
+    line = one_line_error(run_script(TINY_ARGS + ["--text_file", str(missing), "--text_url", url,
+                                                  "--log_dir", str(tmp_path / "log")]))
     assert line.startswith(f"error: could not download {url} to {missing} (")
     assert line.endswith("): put a text file there or pass --text_file or --data_dir")
-    assert list(tmp_path.iterdir()) == []  # no partial download left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["log"]  # no partial download left behind
 
 
 def test_help_explains_every_flag():
