@@ -5,13 +5,16 @@
 
 Every document becomes <|endoftext|> followed by its GPT-2 tokens; the token stream is cut into
 shards of --shard_size tokens, the first one validation and the rest training. Output is
-byte-identical whatever the number of workers.
+byte-identical whatever the number of workers, and after an interruption `--resume` tokenizes only
+what the complete shards lack.
 """
 
 import argparse
+import errno
 import functools
 import glob
 import gzip
+import itertools
 import json
 import multiprocessing
 import os
@@ -27,7 +30,8 @@ class ConfigError(Exception):
 
 
 # Lies in --out_dir while shards are being written, and stays there if the run is interrupted: train_gpt2.py
-# refuses a --data_dir that holds it, rather than train on the part written so far.
+# refuses a --data_dir that holds it, rather than train on the part written so far. It holds (as JSON) the
+# settings and how far the complete shards reach, which is what --resume goes on from.
 INCOMPLETE_MARKER = "INCOMPLETE"
 
 
@@ -43,6 +47,7 @@ class ShardConfig:
     shard_size: int = 10**8  # 100M tokens: 200 MB a shard, about 100 shards for 10B tokens
     workers: int = max(1, (os.cpu_count() or 2) // 2)
     overwrite: bool = False
+    resume: bool = False
     dataset: str = "HuggingFaceFW/fineweb-edu"
     dataset_subset: str = "sample-10BT"
 
@@ -66,11 +71,16 @@ def parse_args(argv: list[str]) -> ShardConfig:
     parser.add_argument("--workers", type=int, default=defaults.workers, help="tokenizer processes (half the cores)")
     parser.add_argument("--overwrite", action="store_true",
                         help="allow a non-empty out_dir, deleting the shards (and leftover .tmp files) in it first")
+    parser.add_argument("--resume", action="store_true",
+                        help="go on from an interrupted run in out_dir (same settings): keep its complete shards and "
+                             "tokenize only the documents after them; the shards come out as an uninterrupted run's")
     parser.add_argument("--dataset", default=defaults.dataset, help="Hugging Face dataset used when --input is empty")
     parser.add_argument("--dataset_subset", default=defaults.dataset_subset, help="its subset (config name)")
     cfg = ShardConfig(**vars(parser.parse_args(argv)))
     if cfg.shard_size < 1 or cfg.workers < 1:
         raise ConfigError(f"--shard_size ({cfg.shard_size}) and --workers ({cfg.workers}) must be at least 1")
+    if cfg.resume and cfg.overwrite:
+        raise ConfigError("--resume keeps out_dir's shards and --overwrite deletes them: pass one of the two")
     return cfg
 
 
@@ -209,25 +219,49 @@ def shard_path(out_dir: str, prefix: str, index: int) -> str:
     return os.path.join(out_dir, f"{prefix}_{split}_{index:06d}.npy")
 
 
-def write_shard(path: str, tokens: np.ndarray) -> None:
-    """Write to PATH.tmp, flush to disk, then rename: a reader never sees a half-written shard."""
+def write_atomically(path: str, write) -> None:
+    """write(file) to PATH.tmp, flush to disk, then rename: a reader sees the old file or the whole new one, never
+    half a shard. A full disk is one line; the partial .tmp goes, to free its space."""
     temporary = path + ".tmp"
-    with open(temporary, "wb") as f:
-        np.save(f, tokens)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
+    try:
+        with open(temporary, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except OSError as error:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        fix = "make room" if error.errno == errno.ENOSPC else "fix that"
+        raise ConfigError(f"cannot write {path} ({error.strerror}): {fix}, then rerun with --resume") from None
 
 
-def write_shards(token_arrays, out_dir: str, prefix: str, shard_size: int, progress=None) -> tuple[int, int, int]:
+def write_shard(path: str, tokens: np.ndarray) -> None:
+    write_atomically(path, lambda f: np.save(f, tokens))
+
+
+@dataclass
+class Position:
+    """How far the complete shards reach into the document stream: all --resume needs to go on."""
+    shards: int = 0  # complete shards written
+    documents: int = 0  # documents wholly inside them
+    tokens_into_next: int = 0  # tokens of the next document already in them (it spills over into the next shard)
+
+
+def write_shards(token_arrays, out_dir: str, prefix: str, shard_size: int, start: Position = Position(),
+                 on_shard=None, progress=None) -> tuple[int, int, int]:
     """Cut the stream of token arrays into shards of shard_size tokens (the last holds the rest).
 
-    A document that does not fit spills into the next shard. Returns (documents, tokens, shards).
+    A document that does not fit spills into the next shard. token_arrays are the documents after
+    start.documents; the first of them loses the start.tokens_into_next tokens already written. After
+    each complete shard, on_shard gets the new Position. Returns (documents, tokens, shards), counted
+    from the beginning of the stream.
     """
     buffer = np.empty(shard_size, dtype=np.uint16)
-    filled = documents = total_tokens = shards = 0
-    for tokens in token_arrays:
-        documents += 1
+    filled, documents, shards = 0, start.documents, start.shards
+    total_tokens, already_written = start.shards * shard_size, start.tokens_into_next
+    for document in token_arrays:
+        tokens, already_written = document[already_written:], 0
         total_tokens += len(tokens)
         if progress is not None:
             progress.update(len(tokens))
@@ -238,27 +272,85 @@ def write_shards(token_arrays, out_dir: str, prefix: str, shard_size: int, progr
             if filled == shard_size:
                 write_shard(shard_path(out_dir, prefix, shards), buffer)
                 filled, shards = 0, shards + 1
+                if on_shard is not None:  # the document is whole in the shards once nothing of it is left
+                    on_shard(Position(shards, documents + 1, 0) if len(tokens) == 0 else
+                             Position(shards, documents, len(document) - len(tokens)))
+        documents += 1
     if filled:
         write_shard(shard_path(out_dir, prefix, shards), buffer[:filled])
         shards += 1
     return documents, total_tokens, shards
 
 
+def shard_files(out_dir: str) -> list[str]:
+    """What a loader could read, and an interrupted run's leftovers."""
+    patterns = ("*_train_*.npy", "*_val_*.npy", "*.npy.tmp")
+    return sorted(path for pattern in patterns for path in glob.glob(os.path.join(out_dir, pattern)))
+
+
 def prepare_out_dir(out_dir: str, overwrite: bool) -> None:
     # a folder that holds nothing but the marker (a run that failed before its first shard) counts as empty
-    if os.path.isdir(out_dir) and set(os.listdir(out_dir)) - {INCOMPLETE_MARKER}:
+    if os.path.isdir(out_dir) and set(os.listdir(out_dir)) - {INCOMPLETE_MARKER, INCOMPLETE_MARKER + ".tmp"}:
         if not overwrite:
-            raise ConfigError(f"--out_dir {out_dir} is not empty: pass --overwrite to replace its shards, "
+            interrupted = os.path.exists(os.path.join(out_dir, INCOMPLETE_MARKER))
+            raise ConfigError(f"--out_dir {out_dir} holds an interrupted run's shards: pass --resume to go on from "
+                              "them, or --overwrite to start again" if interrupted else
+                              f"--out_dir {out_dir} is not empty: pass --overwrite to replace its shards, "
                               "or choose another folder")
-        # what a loader could read, and an interrupted run's leftovers
-        for pattern in ("*_train_*.npy", "*_val_*.npy", "*.npy.tmp", INCOMPLETE_MARKER):
-            for path in glob.glob(os.path.join(out_dir, pattern)):
-                os.remove(path)
+        for path in shard_files(out_dir) + glob.glob(os.path.join(out_dir, INCOMPLETE_MARKER)):
+            os.remove(path)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as error:
         problem = "it is a file" if os.path.isfile(out_dir) else error.strerror
         raise ConfigError(f"cannot make --out_dir {out_dir} ({problem}): give a folder you can write to") from None
+
+
+def run_settings(cfg: ShardConfig, paths: list[str] | None, prefix: str) -> dict:
+    """What decides the bytes written, so --resume can check it goes on with the same (file sizes catch edits)."""
+    source = {"input": [[os.path.abspath(p), os.path.getsize(p)] for p in paths]} if paths else \
+        {"dataset": cfg.dataset, "dataset_subset": cfg.dataset_subset}
+    return {**source, "text_field": cfg.text_field, "shard_size": cfg.shard_size, "prefix": prefix}
+
+
+def write_marker(out_dir: str, settings: dict, position: Position) -> None:
+    record = {"note": "fineweb.py is writing the shards in this folder; if it was interrupted, rerun it with "
+                      "--resume to go on, or --overwrite to start again",
+              "settings": settings, "position": vars(position)}
+    write_atomically(os.path.join(out_dir, INCOMPLETE_MARKER), lambda f: f.write(json.dumps(record, indent=1).encode()))
+
+
+def resume_position(out_dir: str, settings: dict) -> Position:
+    """Where the interrupted run in out_dir stopped, after checking it had these settings and its shards are whole;
+    Position() for a folder with nothing to go on from. Removes what comes after that position."""
+    marker = os.path.join(out_dir, INCOMPLETE_MARKER)
+    if not os.path.exists(marker):
+        if os.path.isdir(out_dir) and shard_files(out_dir):
+            raise ConfigError(f"--out_dir {out_dir} holds a finished run (no {INCOMPLETE_MARKER} file): nothing to "
+                              "resume; pass --overwrite to tokenize again")
+        return Position()
+    try:
+        with open(marker) as f:
+            record = json.load(f)
+        position, settings_were = Position(**record["position"]), dict(record["settings"])
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{marker} is not a progress record fineweb.py wrote: pass --overwrite to start again") \
+            from None
+    for name, value in settings.items():
+        if settings_were.get(name) != value:
+            was = "other files or sizes" if name == "input" else repr(settings_were.get(name))
+            raise ConfigError(f"--resume: the interrupted run in {out_dir} had --{name} {was}, not "
+                              f"{'these' if name == 'input' else repr(value)}: pass the same settings, or "
+                              "--overwrite to start again")
+    for index in range(position.shards):
+        path = shard_path(out_dir, settings["prefix"], index)
+        if not os.path.exists(path) or np.load(path, mmap_mode="r").shape != (settings["shard_size"],):
+            raise ConfigError(f"--resume: {path} is missing or not {settings['shard_size']} tokens: "
+                              "pass --overwrite to start again")
+    kept = {shard_path(out_dir, settings["prefix"], index) for index in range(position.shards)}
+    for path in set(shard_files(out_dir)) - kept:  # shards past the position, half-written ones
+        os.remove(path)
+    return position
 
 
 # ----------------------------------------------------------------------------- main
@@ -267,26 +359,32 @@ def prepare_out_dir(out_dir: str, overwrite: bool) -> None:
 def main(cfg: ShardConfig) -> tuple[int, int, int]:
     paths = expand_inputs(cfg.input) if cfg.input else None
     check_readers(paths)
-    prepare_out_dir(cfg.out_dir, cfg.overwrite)
     prefix = cfg.prefix or os.path.basename(os.path.normpath(cfg.out_dir))
-    marker = os.path.join(cfg.out_dir, INCOMPLETE_MARKER)
-    with open(marker, "w") as f:
-        f.write("fineweb.py is writing the shards in this folder; if it was interrupted, rerun it with --overwrite\n")
+    settings = run_settings(cfg, paths, prefix)
+    if cfg.resume:
+        start = resume_position(cfg.out_dir, settings)
+        os.makedirs(cfg.out_dir, exist_ok=True)
+    else:
+        start = Position()
+        prepare_out_dir(cfg.out_dir, cfg.overwrite)
+    write_marker(cfg.out_dir, settings, start)
     documents = read_local_documents(paths, cfg.text_field) if paths else read_hub_documents(cfg)
+    documents = itertools.islice(documents, start.documents, None)  # read again, not tokenized again
     from tqdm import tqdm
 
     started = time.perf_counter()
     # disable=None: no bar when stderr is not a terminal (a log file, CI)
     with tqdm(unit="tokens", unit_scale=True, desc="tokenizing", file=sys.stderr, disable=None) as progress:
         counts = write_shards(tokenized_documents(documents, cfg.workers), cfg.out_dir, prefix, cfg.shard_size,
-                              progress)
+                              start, lambda position: write_marker(cfg.out_dir, settings, position), progress)
     num_documents, num_tokens, num_shards = counts
     if num_documents == 0:
         raise ConfigError(f"no documents in --input {' '.join(cfg.input)}: check the files")
-    os.remove(marker)  # every shard is complete and in place
+    os.remove(os.path.join(cfg.out_dir, INCOMPLETE_MARKER))  # every shard is complete and in place
     elapsed = time.perf_counter() - started
-    print(f"{num_documents:,} documents, {num_tokens:,} tokens, {num_shards} shards in {cfg.out_dir}, "
-          f"{num_tokens / elapsed:,.0f} tokens/s")
+    resumed = f" (went on after {start.shards} shards)" if start.shards else ""
+    print(f"{num_documents:,} documents, {num_tokens:,} tokens, {num_shards} shards in {cfg.out_dir}{resumed}, "
+          f"{(num_tokens - start.shards * cfg.shard_size) / elapsed:,.0f} tokens/s")
     return counts
 
 

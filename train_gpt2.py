@@ -555,7 +555,7 @@ def find_shards(data_dir: str, split: str) -> list[str]:
         raise ConfigError(f"--data_dir {data_dir} is not a folder: run fineweb.py to make shards, or fix the path")
     if os.path.exists(os.path.join(data_dir, "INCOMPLETE")):  # fineweb.py's marker, removed once all shards are in
         raise ConfigError(f"--data_dir {data_dir} is incomplete: fineweb.py is still writing it, or was interrupted "
-                          "(its INCOMPLETE file is there): wait for it, or rerun fineweb.py with --overwrite")
+                          "(its INCOMPLETE file is there): wait for it, or rerun fineweb.py with --resume")
     paths = sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.npy")))
     if not paths:
         raise ConfigError(

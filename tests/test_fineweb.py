@@ -1,3 +1,4 @@
+import errno
 import json
 
 import numpy as np
@@ -69,6 +70,111 @@ def test_overwrite_replaces_old_shards(tmp_path):
     fineweb.main(fineweb.parse_args(["--input", str(SAMPLE), "--out_dir", str(tmp_path), "--prefix", "x",
                                      "--shard_size", "1000000", "--overwrite", "--workers", "1"]))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x_train_000001.npy", "x_val_000000.npy"]
+
+
+def test_each_complete_shard_records_its_position_and_resuming_from_any_gives_the_same_shards(tmp_path):
+    documents = [np.arange(10, dtype=np.uint16), np.arange(100, 103, dtype=np.uint16)]
+    positions = []
+    (tmp_path / "whole").mkdir()
+    fineweb.write_shards(iter(documents), str(tmp_path / "whole"), "x", shard_size=4, on_shard=positions.append)
+    # shard 1 and 2 hold 4 and 8 tokens of document 0; shard 3 ends it and holds 2 tokens of document 1
+    assert positions == [fineweb.Position(1, 0, 4), fineweb.Position(2, 0, 8), fineweb.Position(3, 1, 2)]
+    for position in positions:
+        folder = tmp_path / f"from_{position.shards}"
+        folder.mkdir()
+        for index in range(position.shards):
+            (folder / f"x_{'val' if index == 0 else 'train'}_{index:06d}.npy").write_bytes(
+                (tmp_path / "whole" / f"x_{'val' if index == 0 else 'train'}_{index:06d}.npy").read_bytes())
+        counts = fineweb.write_shards(iter(documents[position.documents:]), str(folder), "x", 4, position)
+        assert counts == (2, 13, 4)
+        assert [s.tolist() for s in read_shards(folder)] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 100, 101], [102]]
+
+
+def fail_the_nth_fsync(monkeypatch, n):
+    """os.fsync raises ENOSPC on its nth call, as on a disk that has just filled up."""
+    calls = []
+
+    def fsync(fd):
+        calls.append(fd)
+        if len(calls) == n:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fineweb.os, "fsync", fsync)
+
+
+def test_a_run_stopped_by_a_full_disk_resumes_to_the_same_bytes(sample_shards, tmp_path, monkeypatch):
+    reference, _ = sample_shards
+    args = ["--input", str(SAMPLE), "--out_dir", str(tmp_path / "sample"), "--shard_size", "300000"]
+    # fsyncs: the marker, then shard 0, marker, shard 1, marker, shard 2 (the one the disk cannot take)
+    fail_the_nth_fsync(monkeypatch, 6)
+    with pytest.raises(fineweb.ConfigError) as raised:
+        fineweb.main(fineweb.parse_args(args + ["--workers", "1"]))
+    assert str(raised.value) == (f"cannot write {tmp_path / 'sample' / 'sample_train_000002.npy'} (No space left on "
+                                 "device): make room, then rerun with --resume")
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "sample").iterdir()) == [  # no half-written shard left behind
+        "INCOMPLETE", "sample_train_000001.npy", "sample_val_000000.npy"]
+    position = json.loads((tmp_path / "sample" / "INCOMPLETE").read_text())["position"]
+    assert position["shards"] == 2 and position["tokens_into_next"] > 0  # a document spans the shard boundary
+    with pytest.raises(fineweb.ConfigError) as raised:
+        fineweb.main(fineweb.parse_args(args))
+    assert str(raised.value) == (f"--out_dir {tmp_path / 'sample'} holds an interrupted run's shards: pass --resume "
+                                 "to go on from them, or --overwrite to start again")
+
+    # what a kill could also leave: a shard renamed before the marker moved past it, half of the one after
+    (tmp_path / "sample" / "sample_train_000002.npy").write_bytes((reference / "sample_train_000002.npy").read_bytes())
+    (tmp_path / "sample" / "sample_train_000003.npy.tmp").write_bytes(b"half a shard")
+    assert fineweb.main(fineweb.parse_args(args + ["--resume", "--workers", "2"])) == (700, 1_123_459, 4)
+    assert sorted(p.name for p in (tmp_path / "sample").iterdir()) == sorted(p.name for p in reference.iterdir())
+    for path in reference.iterdir():
+        assert (tmp_path / "sample" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def interrupted_folder(tmp_path):
+    """What a run stopped by a bad second record leaves: 4 complete shards of 100 tokens, and the marker."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "' + "word " * 400 + '"}\n' + "not json\n")
+    with pytest.raises(fineweb.ConfigError):
+        fineweb.main(fineweb.parse_args(["--input", str(corpus), "--out_dir", str(tmp_path / "out"),
+                                         "--shard_size", "100", "--workers", "1"]))
+    return corpus, tmp_path / "out"
+
+
+def test_resume_refuses_other_settings_or_input_naming_them(tmp_path):
+    corpus, out_dir = interrupted_folder(tmp_path)
+    args = ["--input", str(corpus), "--out_dir", str(out_dir), "--resume", "--workers", "1"]
+    with pytest.raises(fineweb.ConfigError) as raised:
+        fineweb.main(fineweb.parse_args(args + ["--shard_size", "50"]))
+    assert str(raised.value) == (f"--resume: the interrupted run in {out_dir} had --shard_size 100, not 50: pass the "
+                                 "same settings, or --overwrite to start again")
+    corpus.write_text('{"text": "' + "word " * 400 + '"}\n')  # the bad record fixed: the file is another one now
+    with pytest.raises(fineweb.ConfigError) as raised:
+        fineweb.main(fineweb.parse_args(args + ["--shard_size", "100"]))
+    assert str(raised.value) == (f"--resume: the interrupted run in {out_dir} had --input other files or sizes, not "
+                                 "these: pass the same settings, or --overwrite to start again")
+    assert len(list(out_dir.glob("*.npy"))) == 4  # nothing deleted by a refused resume
+    assert fineweb.main(fineweb.parse_args(args[:-3] + ["--shard_size", "100", "--overwrite"])) == (1, 402, 5)
+    with pytest.raises(fineweb.ConfigError) as raised:
+        fineweb.main(fineweb.parse_args(args + ["--shard_size", "100"]))
+    assert str(raised.value) == (f"--out_dir {out_dir} holds a finished run (no INCOMPLETE file): nothing to resume; "
+                                 "pass --overwrite to tokenize again")
+    with pytest.raises(fineweb.ConfigError) as raised:
+        fineweb.parse_args(args + ["--overwrite"])
+    assert str(raised.value) == "--resume keeps out_dir's shards and --overwrite deletes them: pass one of the two"
+
+
+def test_resume_with_a_missing_shard_is_refused_and_on_a_new_folder_starts_afresh(tmp_path):
+    corpus, out_dir = interrupted_folder(tmp_path)
+    (out_dir / "out_train_000002.npy").unlink()
+    with pytest.raises(fineweb.ConfigError) as raised:
+        fineweb.main(fineweb.parse_args(["--input", str(corpus), "--out_dir", str(out_dir), "--shard_size", "100",
+                                         "--resume"]))
+    assert str(raised.value) == (f"--resume: {out_dir / 'out_train_000002.npy'} is missing or not 100 tokens: pass "
+                                 "--overwrite to start again")
+    corpus.write_text('{"text": "' + "word " * 400 + '"}\n')
+    counts = fineweb.main(fineweb.parse_args(["--input", str(corpus), "--out_dir", str(tmp_path / "new"),
+                                              "--shard_size", "100", "--resume", "--workers", "1"]))
+    assert counts == (1, 402, 5) and len(list((tmp_path / "new").iterdir())) == 5
 
 
 def one_line_error(result):
@@ -202,18 +308,18 @@ def test_an_interrupted_run_leaves_a_folder_the_trainer_refuses(tmp_path):
     line = one_line_error(run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out"),
                                        "--shard_size", "100"]))
     assert line == f"error: {corpus} line 2 is not valid JSON"
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [  # 4 of the 401 tokens' shards were written
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [  # 4 of the 402 tokens' 5 shards were written
         "INCOMPLETE", "out_train_000001.npy", "out_train_000002.npy", "out_train_000003.npy", "out_val_000000.npy"]
     with pytest.raises(train_gpt2.ConfigError) as raised:
         train_gpt2.find_shards(str(tmp_path / "out"), "val")
     assert str(raised.value) == (f"--data_dir {tmp_path / 'out'} is incomplete: fineweb.py is still writing it, or "
                                  "was interrupted (its INCOMPLETE file is there): wait for it, or rerun fineweb.py "
-                                 "with --overwrite")
+                                 "with --resume")
     corpus.write_text('{"text": "' + "word " * 400 + '"}\n')
     assert run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out"), "--shard_size", "100",
                         "--overwrite"]).returncode == 0
     assert "INCOMPLETE" not in [p.name for p in (tmp_path / "out").iterdir()]
-    assert len(train_gpt2.find_shards(str(tmp_path / "out"), "train")) == 4  # 401 tokens: val + 4 train shards
+    assert len(train_gpt2.find_shards(str(tmp_path / "out"), "train")) == 4  # 402 tokens: val + 4 train shards
 
 
 def test_end_to_end_train_on_the_shards_one_and_two_processes(sample_shards, tmp_path):
