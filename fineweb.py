@@ -10,6 +10,7 @@ what the complete shards lack.
 """
 
 import argparse
+import contextlib
 import errno
 import functools
 import glob
@@ -18,6 +19,7 @@ import itertools
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -202,13 +204,45 @@ def tokenize_document(text: str) -> np.ndarray:
     return tokens.astype(np.uint16)
 
 
+def quiet_worker() -> None:
+    """A worker leaves Ctrl-C (sent to the whole terminal group) and SIGHUP to the main process, which ends it,
+    instead of each worker printing a traceback; SIGTERM (the pool's own way to end it) kills it silently."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def tokenized_documents(documents, workers: int):
     """Token arrays in document order; a pool's imap keeps that order, so output never depends on workers."""
     if workers == 1:
         yield from map(tokenize_document, documents)
         return
-    with multiprocessing.Pool(workers) as pool:
+    with multiprocessing.Pool(workers, initializer=quiet_worker) as pool:
         yield from pool.imap(tokenize_document, documents, chunksize=16)
+
+
+@contextlib.contextmanager
+def signals_end_the_run(out_dir: str):
+    """In here, Ctrl-C, SIGTERM and SIGHUP end the run at once with one line, the workers killed first. Any moment
+    is a safe one: shards and the marker are only ever replaced whole. Unwinding instead could hang in the pool's
+    shutdown (its feeder thread blocks sending a task that no worker will read). A signal that was ignored (nohup,
+    a background job) stays ignored."""
+
+    def stop(signum, frame):
+        for worker in multiprocessing.active_children():
+            worker.kill()
+        end_progress_bar = "\n" if sys.stderr.isatty() else ""
+        print(f"{end_progress_bar}stopped by {signal.Signals(signum).name}: the complete shards stay in {out_dir}; "
+              "rerun the same command with --resume to go on", file=sys.stderr, flush=True)
+        os._exit(128 + signum)  # the shell's convention for a process ended by that signal
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(signum) is not signal.SIG_IGN}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 # ----------------------------------------------------------------------------- writing shards
@@ -374,7 +408,8 @@ def main(cfg: ShardConfig) -> tuple[int, int, int]:
 
     started = time.perf_counter()
     # disable=None: no bar when stderr is not a terminal (a log file, CI)
-    with tqdm(unit="tokens", unit_scale=True, desc="tokenizing", file=sys.stderr, disable=None) as progress:
+    with signals_end_the_run(cfg.out_dir), \
+            tqdm(unit="tokens", unit_scale=True, desc="tokenizing", file=sys.stderr, disable=None) as progress:
         counts = write_shards(tokenized_documents(documents, cfg.workers), cfg.out_dir, prefix, cfg.shard_size,
                               start, lambda position: write_marker(cfg.out_dir, settings, position), progress)
     num_documents, num_tokens, num_shards = counts

@@ -1,12 +1,17 @@
 import errno
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
 
 import fineweb
 import train_gpt2
-from conftest import SHARED, TINY_ARGS, run_python
+from conftest import ROOT, SHARED, TINY_ARGS, run_python
 
 SAMPLE = SHARED / "data" / "fineweb_10BT_sample.jsonl"  # 700 FineWeb documents, see its README.md
 
@@ -128,6 +133,31 @@ def test_a_run_stopped_by_a_full_disk_resumes_to_the_same_bytes(sample_shards, t
     assert sorted(p.name for p in (tmp_path / "sample").iterdir()) == sorted(p.name for p in reference.iterdir())
     for path in reference.iterdir():
         assert (tmp_path / "sample" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+@pytest.mark.parametrize("signum, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)])  # Ctrl-C; a scheduler
+def test_a_signal_stops_tokenizing_with_one_line_and_resume_finishes_the_shards(sample_shards, tmp_path, signum,
+                                                                                 to_group):
+    reference, _ = sample_shards
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(SAMPLE.read_text(encoding="utf-8") * 2, encoding="utf-8")
+    out_dir = tmp_path / "out"
+    args = ["--input", str(corpus), "--out_dir", str(out_dir), "--shard_size", "50000", "--workers", "2"]
+    # its own session, as a terminal's foreground job is its own group; SIGINT as a shell leaves it to a foreground job
+    process = subprocess.Popen([sys.executable, "fineweb.py"] + args, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, start_new_session=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    while not (out_dir / "out_train_000002.npy").exists():
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.01)
+    (os.killpg if to_group else os.kill)(process.pid, signum)
+    stdout, stderr = process.communicate(timeout=60)  # returns once the workers too have closed their stderr
+    assert (process.returncode, stdout) == (128 + signum, "")
+    assert stderr == (f"stopped by {signal.Signals(signum).name}: the complete shards stay in {out_dir}; rerun the "
+                      "same command with --resume to go on\n")  # and no worker's traceback
+    assert (out_dir / "INCOMPLETE").exists()
+    assert fineweb.main(fineweb.parse_args(args + ["--resume"])) == (1400, 2 * 1_123_459, 45)
+    assert np.array_equal(np.concatenate(read_shards(out_dir)), np.tile(np.concatenate(read_shards(reference)), 2))
 
 
 def interrupted_folder(tmp_path):
