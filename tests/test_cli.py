@@ -49,8 +49,31 @@ def one_line_error(result):
          "error: --profile_steps 17 needs 21 steps (3 warm-up, 1 for the profiler): raise --max_steps to 21"),
     ],
 )
-def test_config_mistakes(args, message):
-    assert one_line_error(run_script(TINY_ARGS + args)) == message
+def test_config_mistakes(args, message, capsys):
+    """Run in this process (a new Python costs 2 s a case); test_the_command_line_says_a_mistake_in_one_line checks
+    that the command line prints the same."""
+    assert error_line_in_process(TINY_ARGS + args, capsys) == message
+
+
+def error_line_in_process(args, capsys):
+    """What `python train_gpt2.py ARGS` prints on stderr for a mistake, as its __main__ block runs it."""
+    try:
+        cfg = t.parse_args(args)
+    except t.ConfigError as error:
+        return f"error: {error}"
+    with pytest.raises(SystemExit) as exited:
+        t.main(cfg, t.launch_from_env({}))
+    assert exited.value.code == 2
+    stdout, stderr = capsys.readouterr()
+    assert stdout == ""  # stopped before any work: the start-up line was never printed
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("args", [["--max_steps", "ten"], ["--total_batch_size", "1000"], ["--device", "cuda"]])
+def test_the_command_line_says_a_mistake_in_one_line(args, capsys):  # one from the parser, two from main's checks
+    assert one_line_error(run_script(TINY_ARGS + args)) == error_line_in_process(TINY_ARGS + args, capsys)
 
 
 def test_missing_data_dir(tmp_path):
