@@ -182,7 +182,8 @@ def read_hub_documents(cfg: ShardConfig):
         for record in stream:
             yield record[cfg.text_field]
     except (OSError, ConnectionError) as error:
-        raise ConfigError(f"cannot reach {cfg.dataset} ({error}): check the network, or pass --input") from None
+        raise ConfigError(f"cannot reach {cfg.dataset} ({error}): check the network and rerun with --resume "
+                          "(no shard is lost), or pass --input") from None
 
 
 # ----------------------------------------------------------------------------- tokenizing

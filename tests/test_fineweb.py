@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import numpy as np
 import pytest
@@ -271,6 +272,40 @@ def test_error_default_source_without_datasets(tmp_path):
     line = one_line_error(run_fineweb(["--out_dir", str(tmp_path / "out")], env=without_module(tmp_path, "datasets")))
     assert line == ("error: downloading FineWeb-Edu needs the datasets library: pip install datasets "
                     "(or pass --input with local files)")
+
+
+def fake_datasets(records, fail_at=None):
+    """A stand-in for the datasets library: load_dataset streams RECORDS; the first stream drops its connection at
+    record FAIL_AT, as a long download can."""
+    calls = []
+
+    def load_dataset(path, name, split, streaming):
+        calls.append((path, name, split, streaming))
+        for index, record in enumerate(records):
+            if index == fail_at and len(calls) == 1:
+                raise ConnectionError("Connection reset by peer")
+            yield record
+
+    return types.SimpleNamespace(load_dataset=load_dataset), calls
+
+
+def test_the_hub_stream_gives_the_local_files_bytes_and_resumes_after_a_dropped_connection(sample_shards, tmp_path,
+                                                                                            monkeypatch):
+    reference, _ = sample_shards
+    records = [json.loads(line) for line in SAMPLE.read_text(encoding="utf-8").splitlines()]
+    datasets, calls = fake_datasets(records, fail_at=500)
+    monkeypatch.setitem(sys.modules, "datasets", datasets)
+    args = ["--out_dir", str(tmp_path / "sample"), "--shard_size", "300000", "--workers", "1"]
+    with pytest.raises(fineweb.ConfigError) as raised:
+        fineweb.main(fineweb.parse_args(args))
+    assert str(raised.value) == ("cannot reach HuggingFaceFW/fineweb-edu (Connection reset by peer): check the "
+                                 "network and rerun with --resume (no shard is lost), or pass --input")
+    assert len(list((tmp_path / "sample").glob("*.npy"))) == 2  # 500 documents fill 2 shards of 300,000 tokens
+    assert fineweb.main(fineweb.parse_args(args + ["--resume"])) == (700, 1_123_459, 4)
+    assert calls == [("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True)] * 2
+    assert sorted(p.name for p in (tmp_path / "sample").iterdir()) == sorted(p.name for p in reference.iterdir())
+    for path in reference.iterdir():
+        assert (tmp_path / "sample" / path.name).read_bytes() == path.read_bytes(), path.name
 
 
 def test_txt_and_gzipped_jsonl_inputs(tmp_path):
