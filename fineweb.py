@@ -323,9 +323,38 @@ def shard_files(out_dir: str) -> list[str]:
     return sorted(path for pattern in patterns for path in glob.glob(os.path.join(out_dir, pattern)))
 
 
-def prepare_out_dir(out_dir: str, overwrite: bool) -> None:
+def make_out_dir(out_dir: str) -> None:
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as error:
+        problem = "it is a file" if os.path.isfile(out_dir) else error.strerror
+        raise ConfigError(f"cannot make --out_dir {out_dir} ({problem}): give a folder you can write to") from None
+
+
+@contextlib.contextmanager
+def writing_alone(out_dir: str):
+    """Hold a lock on out_dir while in here, so that a second fineweb.py on it (a --resume started while the first
+    still runs) stops at once instead of deleting the first one's files. The kernel drops the lock when the process
+    ends, so a crash leaves none behind; a file system without locks runs unguarded."""
+    import fcntl  # Unix only
+
+    folder = os.open(out_dir, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ConfigError(f"another fineweb.py ({marker_record(out_dir).get('writer', 'its pid unknown')}) is "
+                              f"writing --out_dir {out_dir}: wait for it to end, or stop it") from None
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(folder)
+
+
+def clear_out_dir(out_dir: str, overwrite: bool) -> None:
     # a folder that holds nothing but the marker (a run that failed before its first shard) counts as empty
-    if os.path.isdir(out_dir) and set(os.listdir(out_dir)) - {INCOMPLETE_MARKER, INCOMPLETE_MARKER + ".tmp"}:
+    if set(os.listdir(out_dir)) - {INCOMPLETE_MARKER, INCOMPLETE_MARKER + ".tmp"}:
         if not overwrite:
             interrupted = os.path.exists(os.path.join(out_dir, INCOMPLETE_MARKER))
             raise ConfigError(f"--out_dir {out_dir} holds an interrupted run's shards: pass --resume to go on from "
@@ -334,11 +363,6 @@ def prepare_out_dir(out_dir: str, overwrite: bool) -> None:
                               "or choose another folder")
         for path in shard_files(out_dir) + glob.glob(os.path.join(out_dir, INCOMPLETE_MARKER)):
             os.remove(path)
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-    except OSError as error:
-        problem = "it is a file" if os.path.isfile(out_dir) else error.strerror
-        raise ConfigError(f"cannot make --out_dir {out_dir} ({problem}): give a folder you can write to") from None
 
 
 def run_settings(cfg: ShardConfig, paths: list[str] | None, prefix: str) -> dict:
@@ -351,26 +375,35 @@ def run_settings(cfg: ShardConfig, paths: list[str] | None, prefix: str) -> dict
 def write_marker(out_dir: str, settings: dict, position: Position) -> None:
     record = {"note": "fineweb.py is writing the shards in this folder; if it was interrupted, rerun it with "
                       "--resume to go on, or --overwrite to start again",
-              "settings": settings, "position": vars(position)}
+              "writer": f"pid {os.getpid()} on {os.uname().nodename}", "settings": settings, "position": vars(position)}
     write_atomically(os.path.join(out_dir, INCOMPLETE_MARKER), lambda f: f.write(json.dumps(record, indent=1).encode()))
+
+
+def marker_record(out_dir: str) -> dict:
+    """The marker's record, its position made a Position; {} if there is none."""
+    path = os.path.join(out_dir, INCOMPLETE_MARKER)
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            record = json.load(f)
+        record["position"], record["settings"] = Position(**record["position"]), dict(record["settings"])
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(f"{path} is not a progress record fineweb.py wrote: pass --overwrite to start again") \
+            from None
+    return record
 
 
 def resume_position(out_dir: str, settings: dict) -> Position:
     """Where the interrupted run in out_dir stopped, after checking it had these settings and its shards are whole;
     Position() for a folder with nothing to go on from. Removes what comes after that position."""
-    marker = os.path.join(out_dir, INCOMPLETE_MARKER)
-    if not os.path.exists(marker):
-        if os.path.isdir(out_dir) and shard_files(out_dir):
+    record = marker_record(out_dir)
+    if not record:
+        if shard_files(out_dir):
             raise ConfigError(f"--out_dir {out_dir} holds a finished run (no {INCOMPLETE_MARKER} file): nothing to "
                               "resume; pass --overwrite to tokenize again")
         return Position()
-    try:
-        with open(marker) as f:
-            record = json.load(f)
-        position, settings_were = Position(**record["position"]), dict(record["settings"])
-    except (ValueError, KeyError, TypeError):
-        raise ConfigError(f"{marker} is not a progress record fineweb.py wrote: pass --overwrite to start again") \
-            from None
+    position, settings_were = record["position"], record["settings"]
     for name, value in settings.items():
         if settings_were.get(name) != value:
             was = "other files or sizes" if name == "input" else repr(settings_were.get(name))
@@ -396,27 +429,28 @@ def main(cfg: ShardConfig) -> tuple[int, int, int]:
     check_readers(paths)
     prefix = cfg.prefix or os.path.basename(os.path.normpath(cfg.out_dir))
     settings = run_settings(cfg, paths, prefix)
-    if cfg.resume:
-        start = resume_position(cfg.out_dir, settings)
-        os.makedirs(cfg.out_dir, exist_ok=True)
-    else:
-        start = Position()
-        prepare_out_dir(cfg.out_dir, cfg.overwrite)
-    write_marker(cfg.out_dir, settings, start)
-    documents = read_local_documents(paths, cfg.text_field) if paths else read_hub_documents(cfg)
-    documents = itertools.islice(documents, start.documents, None)  # read again, not tokenized again
-    from tqdm import tqdm
+    make_out_dir(cfg.out_dir)
+    with writing_alone(cfg.out_dir):
+        if cfg.resume:
+            start = resume_position(cfg.out_dir, settings)
+        else:
+            clear_out_dir(cfg.out_dir, cfg.overwrite)
+            start = Position()
+        write_marker(cfg.out_dir, settings, start)
+        documents = read_local_documents(paths, cfg.text_field) if paths else read_hub_documents(cfg)
+        documents = itertools.islice(documents, start.documents, None)  # read again, not tokenized again
+        from tqdm import tqdm
 
-    started = time.perf_counter()
-    # disable=None: no bar when stderr is not a terminal (a log file, CI)
-    with signals_end_the_run(cfg.out_dir), \
-            tqdm(unit="tokens", unit_scale=True, desc="tokenizing", file=sys.stderr, disable=None) as progress:
-        counts = write_shards(tokenized_documents(documents, cfg.workers), cfg.out_dir, prefix, cfg.shard_size,
-                              start, lambda position: write_marker(cfg.out_dir, settings, position), progress)
-    num_documents, num_tokens, num_shards = counts
-    if num_documents == 0:
-        raise ConfigError(f"no documents in --input {' '.join(cfg.input)}: check the files")
-    os.remove(os.path.join(cfg.out_dir, INCOMPLETE_MARKER))  # every shard is complete and in place
+        started = time.perf_counter()
+        # disable=None: no bar when stderr is not a terminal (a log file, CI)
+        with signals_end_the_run(cfg.out_dir), \
+                tqdm(unit="tokens", unit_scale=True, desc="tokenizing", file=sys.stderr, disable=None) as progress:
+            counts = write_shards(tokenized_documents(documents, cfg.workers), cfg.out_dir, prefix, cfg.shard_size,
+                                  start, lambda position: write_marker(cfg.out_dir, settings, position), progress)
+        num_documents, num_tokens, num_shards = counts
+        if num_documents == 0:
+            raise ConfigError(f"no documents in --input {' '.join(cfg.input)}: check the files")
+        os.remove(os.path.join(cfg.out_dir, INCOMPLETE_MARKER))  # every shard is complete and in place
     elapsed = time.perf_counter() - started
     resumed = f" (went on after {start.shards} shards)" if start.shards else ""
     print(f"{num_documents:,} documents, {num_tokens:,} tokens, {num_shards} shards in {cfg.out_dir}{resumed}, "

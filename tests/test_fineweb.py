@@ -194,6 +194,29 @@ def test_resume_refuses_other_settings_or_input_naming_them(tmp_path):
     assert str(raised.value) == "--resume keeps out_dir's shards and --overwrite deletes them: pass one of the two"
 
 
+def test_a_second_run_on_a_folder_in_use_stops_with_one_line_and_touches_nothing(tmp_path):
+    corpus, out_dir = interrupted_folder(tmp_path)
+    before = {p.name: p.read_bytes() for p in out_dir.iterdir()}
+    import fcntl
+
+    first_run = os.open(out_dir, os.O_RDONLY)  # holds the lock as a running fineweb.py would
+    fcntl.flock(first_run, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    args = ["--input", str(corpus), "--out_dir", str(out_dir), "--shard_size", "100", "--workers", "1"]
+    for extra in (["--resume"], ["--overwrite"]):
+        with pytest.raises(fineweb.ConfigError) as raised:
+            fineweb.main(fineweb.parse_args(args + extra))
+        assert str(raised.value) == (f"another fineweb.py (pid {os.getpid()} on {os.uname().nodename}) is writing "
+                                     f"--out_dir {out_dir}: wait for it to end, or stop it")
+    assert {p.name: p.read_bytes() for p in out_dir.iterdir()} == before
+    os.close(first_run)
+    with pytest.raises(fineweb.ConfigError) as raised:  # unlocked: the resume gets as far as the bad record
+        fineweb.main(fineweb.parse_args(args + ["--resume"]))
+    assert str(raised.value) == f"{corpus} line 2 is not valid JSON"
+    with pytest.raises(fineweb.ConfigError) as raised:
+        fineweb.main(fineweb.parse_args(["--input", str(corpus), "--out_dir", str(corpus), "--resume"]))
+    assert str(raised.value) == f"cannot make --out_dir {corpus} (it is a file): give a folder you can write to"
+
+
 def test_resume_with_a_missing_shard_is_refused_and_on_a_new_folder_starts_afresh(tmp_path):
     corpus, out_dir = interrupted_folder(tmp_path)
     (out_dir / "out_train_000002.npy").unlink()
