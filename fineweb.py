@@ -2,6 +2,7 @@
 
     python3 fineweb.py                                   # FineWeb-Edu sample-10BT (needs `datasets`, network)
     python3 fineweb.py --input my_corpus/*.jsonl --out_dir my_shards
+    python3 fineweb.py --resume                          # the same command again after an interruption
 
 Every document becomes <|endoftext|> followed by its GPT-2 tokens; the token stream is cut into
 shards of --shard_size tokens, the first one validation and the rest training. Output is
