@@ -276,7 +276,7 @@ def write_shard(path: str, tokens: np.ndarray) -> None:
     write_atomically(path, lambda f: np.save(f, tokens))
 
 
-@dataclass
+@dataclass(frozen=True)  # frozen: write_shards' default start is shared by every call
 class Position:
     """How far the complete shards reach into the document stream: all --resume needs to go on."""
     shards: int = 0  # complete shards written
