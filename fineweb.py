@@ -22,6 +22,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -214,21 +215,38 @@ def quiet_worker() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def tokenized_documents(documents, workers: int):
-    """Token arrays in document order; a pool's imap keeps that order, so output never depends on workers."""
+@contextlib.contextmanager
+def tokenizing(documents, workers: int):
+    """The documents' token arrays, in document order: a pool's imap keeps that order, so output never depends on
+    workers. Leaving early (an error) stops the input at the next document and lets the workers finish the few in
+    flight. Pool.terminate() would instead kill workers that may be halfway through sending a result, and then wait
+    forever for the rest of it (seen here: py-spy showed a stopped run waiting in Pool._terminate_pool)."""
     if workers == 1:
-        yield from map(tokenize_document, documents)
+        yield map(tokenize_document, documents)
         return
-    with multiprocessing.Pool(workers, initializer=quiet_worker) as pool:
-        yield from pool.imap(tokenize_document, documents, chunksize=16)
+    stop = threading.Event()
+
+    def until_stopped():  # read by the pool's feeder thread
+        for document in documents:
+            if stop.is_set():
+                return
+            yield document
+
+    pool = multiprocessing.Pool(workers, initializer=quiet_worker)
+    try:
+        yield pool.imap(tokenize_document, until_stopped(), chunksize=16)
+    finally:
+        stop.set()
+        pool.close()
+        pool.join()
 
 
 @contextlib.contextmanager
 def signals_end_the_run(out_dir: str):
     """In here, Ctrl-C, SIGTERM and SIGHUP end the run at once with one line, the workers killed first. Any moment
-    is a safe one: shards and the marker are only ever replaced whole. Unwinding instead could hang in the pool's
-    shutdown (its feeder thread blocks sending a task that no worker will read). A signal that was ignored (nohup,
-    a background job) stays ignored."""
+    is a safe one: shards and the marker are only ever replaced whole. Exiting, rather than raising wherever the
+    main thread happens to be (inside the pool's locks, say), leaves no shutdown to go wrong. A signal that was
+    ignored (nohup, a background job) stays ignored."""
 
     def stop(signum, frame):
         for worker in multiprocessing.active_children():
@@ -444,10 +462,10 @@ def main(cfg: ShardConfig) -> tuple[int, int, int]:
 
         started = time.perf_counter()
         # disable=None: no bar when stderr is not a terminal (a log file, CI)
-        with signals_end_the_run(cfg.out_dir), \
+        with signals_end_the_run(cfg.out_dir), tokenizing(documents, cfg.workers) as token_arrays, \
                 tqdm(unit="tokens", unit_scale=True, desc="tokenizing", file=sys.stderr, disable=None) as progress:
-            counts = write_shards(tokenized_documents(documents, cfg.workers), cfg.out_dir, prefix, cfg.shard_size,
-                                  start, lambda position: write_marker(cfg.out_dir, settings, position), progress)
+            counts = write_shards(token_arrays, cfg.out_dir, prefix, cfg.shard_size, start,
+                                  lambda position: write_marker(cfg.out_dir, settings, position), progress)
         num_documents, num_tokens, num_shards = counts
         if num_documents == 0:
             raise ConfigError(f"no documents in --input {' '.join(cfg.input)}: check the files")
