@@ -1,11 +1,15 @@
 """DDP for real: torchrun starts 2 processes on the gloo backend, as a user would on a CPU machine."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
 import time
 
 import torch
 
-from conftest import TINY_ARGS, run_python
+from conftest import ROOT, TINY_ARGS, run_python
 
 ENTRY = "tests/ddp_entry.py"
 # Thread count changes float results; torchrun sets 1 thread for several processes, so pin it everywhere.
@@ -44,6 +48,37 @@ def test_two_processes_train_exactly_like_one(tmp_path):
         assert (value - two_params[name]).abs().max().item() <= 1e-6, name
     assert "2 process(es)" in two.stdout
     assert two.stdout.count("step     5/6 | loss") == 1  # rank 0 alone prints
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_two_nodes_train_exactly_like_one_process(tmp_path):
+    """The README's multi-node command with both machines on this host: torchrun on node 0 and node 1, one process
+    each (LOCAL_RANK 0 on both, RANK 0 and 1), meeting at node 0's address and port."""
+    flags = TINY_ARGS + ["--max_steps", "6", "--eval_every", "3", "--eval_steps", "2"]
+    one = run_python(["train_gpt2.py"] + flags + ["--log_dir", str(tmp_path / "one")], env=ONE_THREAD)
+    assert one.returncode == 0, one.stderr
+    port = free_port()
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                               f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+                               "train_gpt2.py"] + flags + ["--log_dir", str(tmp_path / "two")],
+                              cwd=ROOT, env={**os.environ, **ONE_THREAD}, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for node in (0, 1)]
+    try:
+        outputs = [node.communicate(timeout=120) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    assert [node.returncode for node in nodes] == [0, 0], [stderr for _, stderr in outputs]
+    assert "2 process(es)" in outputs[0][0] and outputs[1][0] == ""  # rank 0, on node 0, alone prints
+    one_records, two_records = records(tmp_path / "one"), records(tmp_path / "two")
+    for key in ("train_loss", "val_loss", "lr", "grad_norm"):
+        expected = [r[key] for r in one_records if key in r]
+        assert len(expected) >= 2 and [r[key] for r in two_records if key in r] == expected, key
 
 
 def test_sync_on_the_last_micro_step_only_gives_the_same_gradients(tmp_path):
