@@ -32,53 +32,51 @@ def records(log_dir):
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_train_exactly_like_one(tmp_path):
-    """2 ranks x 1 micro-step vs 1 process x 2 micro-steps, same total batch: the same tokens each step."""
-    flags = TINY_ARGS + ["--max_steps", "6", "--eval_every", "3", "--eval_steps", "2"]
-    one = run_python([ENTRY, "train", str(tmp_path / "one.pt")] + flags + ["--log_dir", str(tmp_path / "one")],
-                     env=ONE_THREAD)
-    two = torchrun(2, [ENTRY, "train", str(tmp_path / "two.pt")] + flags + ["--log_dir", str(tmp_path / "two")])
-    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
-    one_records, two_records = records(tmp_path / "one"), records(tmp_path / "two")
-    for key in ("train_loss", "val_loss", "lr", "grad_norm"):
-        expected = [r[key] for r in one_records if key in r]
-        assert len(expected) >= 2 and [r[key] for r in two_records if key in r] == expected, key
-    one_params, two_params = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
-    for name, value in one_params.items():
-        assert (value - two_params[name]).abs().max().item() <= 1e-6, name
-    assert "2 process(es)" in two.stdout
-    assert two.stdout.count("step     5/6 | loss") == 1  # rank 0 alone prints
-
-
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
-def test_two_nodes_train_exactly_like_one_process(tmp_path):
-    """The README's multi-node command with both machines on this host: torchrun on node 0 and node 1, one process
-    each (LOCAL_RANK 0 on both, RANK 0 and 1), meeting at node 0's address and port."""
-    flags = TINY_ARGS + ["--max_steps", "6", "--eval_every", "3", "--eval_steps", "2"]
-    one = run_python(["train_gpt2.py"] + flags + ["--log_dir", str(tmp_path / "one")], env=ONE_THREAD)
-    assert one.returncode == 0, one.stderr
+def on_two_nodes(args, timeout=120):
+    """The README's multi-node command with both machines on this host: a torchrun agent for node 0 and one for
+    node 1, one process each (LOCAL_RANK 0 on both, RANK 0 and 1), meeting at node 0's address and port.
+    Returns each node's (exit status, stdout, stderr)."""
     port = free_port()
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                               f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
-                               "train_gpt2.py"] + flags + ["--log_dir", str(tmp_path / "two")],
+                               f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}"] + args,
                               cwd=ROOT, env={**os.environ, **ONE_THREAD}, text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE) for node in (0, 1)]
     try:
-        outputs = [node.communicate(timeout=120) for node in nodes]
+        outputs = [node.communicate(timeout=timeout) for node in nodes]
     finally:
         for node in nodes:
             node.kill()
-    assert [node.returncode for node in nodes] == [0, 0], [stderr for _, stderr in outputs]
-    assert "2 process(es)" in outputs[0][0] and outputs[1][0] == ""  # rank 0, on node 0, alone prints
-    one_records, two_records = records(tmp_path / "one"), records(tmp_path / "two")
-    for key in ("train_loss", "val_loss", "lr", "grad_norm"):
-        expected = [r[key] for r in one_records if key in r]
-        assert len(expected) >= 2 and [r[key] for r in two_records if key in r] == expected, key
+    return [(node.returncode, *output) for node, output in zip(nodes, outputs)]
+
+
+def test_two_processes_on_one_machine_or_two_train_exactly_like_one(tmp_path):
+    """2 ranks x 1 micro-step vs 1 process x 2 micro-steps, same total batch: the same tokens each step. The 2
+    ranks run under one torchrun (--standalone), and under two as on two machines (--nnodes=2)."""
+    flags = TINY_ARGS + ["--max_steps", "6", "--eval_every", "3", "--eval_steps", "2"]
+    one = run_python([ENTRY, "train", str(tmp_path / "one.pt")] + flags + ["--log_dir", str(tmp_path / "one")],
+                     env=ONE_THREAD)
+    two = torchrun(2, [ENTRY, "train", str(tmp_path / "two.pt")] + flags + ["--log_dir", str(tmp_path / "two")])
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    nodes = on_two_nodes(["train_gpt2.py"] + flags + ["--log_dir", str(tmp_path / "nodes")])
+    assert [status for status, _, _ in nodes] == [0, 0], [stderr for _, _, stderr in nodes]
+    one_records = records(tmp_path / "one")
+    for log_dir in ("two", "nodes"):
+        for key in ("train_loss", "val_loss", "lr", "grad_norm"):
+            expected = [r[key] for r in one_records if key in r]
+            assert len(expected) >= 2 and [r[key] for r in records(tmp_path / log_dir) if key in r] == expected, \
+                (log_dir, key)
+    one_params, two_params = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    for name, value in one_params.items():
+        assert (value - two_params[name]).abs().max().item() <= 1e-6, name
+    assert "2 process(es)" in two.stdout
+    assert two.stdout.count("step     5/6 | loss") == 1  # rank 0 alone prints
+    assert nodes[0][1].count("step     5/6 | loss") == 1 and nodes[1][1] == ""  # rank 0 is on node 0
 
 
 def test_sync_on_the_last_micro_step_only_gives_the_same_gradients(tmp_path):
