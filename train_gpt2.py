@@ -515,8 +515,9 @@ def gpt2_tokenizer():
 
 def write_atomically(path: str, write) -> None:
     """write(temporary_path), flush it to disk, then rename: a reader sees the old file or the whole new one.
-    A write that fails (a full disk) takes its partial temporary file with it."""
-    temporary = f"{path}.tmp"
+    A write that fails (a full disk) takes its partial temporary file with it. The temporary name is this
+    process's own: the first rank of each machine may download the same file to shared storage at once."""
+    temporary = f"{path}.{os.uname().nodename}-{os.getpid()}.tmp"
     try:
         write(temporary)
         with open(temporary, "rb+") as f:

@@ -195,3 +195,32 @@ def test_download_writes_the_whole_file_and_nothing_else(tmp_path):
         server.shutdown()
     assert target.read_bytes() == (served / "input.txt").read_bytes()
     assert sorted(p.name for p in target.parent.iterdir()) == ["input.txt"]  # no temporary file left
+
+
+def write_in_step(path, content, both_open):
+    """In a process of its own: write_atomically with a writer that waits until the other process has opened
+    its temporary file too, as two machines' first ranks downloading to shared storage at once can."""
+    def write(temporary):
+        with open(temporary, "w") as f:
+            both_open.wait(timeout=30)
+            f.write(content)
+
+    t.write_atomically(path, write)
+
+
+def test_two_processes_writing_the_same_file_at_once_both_succeed_and_leave_one_whole_copy(tmp_path):
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    both_open = context.Barrier(2)
+    content = "First Citizen:\n" * 1000
+    writers = [context.Process(target=write_in_step, args=(str(tmp_path / "input.txt"), content, both_open))
+               for _ in range(2)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(timeout=60)
+    # with one temporary name for both, the second open emptied the first one's file and the second rename failed
+    assert [writer.exitcode for writer in writers] == [0, 0]
+    assert (tmp_path / "input.txt").read_text() == content
+    assert [p.name for p in tmp_path.iterdir()] == ["input.txt"]
