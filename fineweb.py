@@ -209,7 +209,8 @@ def tokenize_document(text: str) -> np.ndarray:
 
 def quiet_worker() -> None:
     """A worker leaves Ctrl-C (sent to the whole terminal group) and SIGHUP to the main process, which ends it,
-    instead of each worker printing a traceback; SIGTERM (the pool's own way to end it) kills it silently."""
+    instead of each worker printing a traceback; SIGTERM (`pkill -f fineweb.py` reaches workers too) kills it
+    silently rather than running the main process's handler, which the fork copied."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
