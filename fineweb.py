@@ -11,6 +11,8 @@ what the complete shards lack.
 """
 
 import argparse
+import collections
+import concurrent.futures
 import contextlib
 import errno
 import functools
@@ -24,6 +26,7 @@ import signal
 import sys
 import threading
 import time
+import typing
 from dataclasses import dataclass
 
 import numpy as np
@@ -207,55 +210,101 @@ def tokenize_document(text: str) -> np.ndarray:
     return tokens.astype(np.uint16)
 
 
-def quiet_worker() -> None:
-    """A worker leaves Ctrl-C (sent to the whole terminal group) and SIGHUP to the main process, which ends it,
-    instead of each worker printing a traceback; SIGTERM (`pkill -f fineweb.py` reaches workers too) kills it
-    silently rather than running the main process's handler, which the fork copied."""
+def start_worker(main_pid: int) -> None:
+    """Runs first in each tokenizer process. A worker leaves Ctrl-C (sent to the whole terminal group) and SIGHUP
+    to the main process, which ends it, instead of each worker printing a traceback; SIGTERM (`pkill -f fineweb.py`
+    reaches workers too) kills it silently rather than running the main process's handler, which the fork copied.
+    And it exits once the main process is gone (killed outright, say) instead of waiting for work forever."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
+    def exit_when_orphaned():
+        while os.getppid() == main_pid:
+            time.sleep(1)
+        os._exit(1)
+
+    threading.Thread(target=exit_when_orphaned, daemon=True).start()
+
+
+def tokenize_documents(texts: list[str]) -> list[np.ndarray]:
+    return [tokenize_document(text) for text in texts]
+
+
+def end_the_run_now(message: str, status: int) -> typing.NoReturn:
+    """Kill the workers, say why in one line, exit. Any moment is a safe one: shards and the marker are only ever
+    replaced whole. Nothing is shut down that could wait forever: a worker killed halfway through sending its
+    result leaves the rest of that message missing from the result pipe, and whatever reads the pipe (the pool's
+    own thread, which a shutdown joins) waits for it for good (seen here, with multiprocessing.Pool and with
+    ProcessPoolExecutor)."""
+    for worker in multiprocessing.active_children():
+        worker.kill()
+    print(message, file=sys.stderr, flush=True)
+    os._exit(status)
+
+
+WORKER_DIED = ("error: a tokenizer process died (the system may have run out of memory): rerun with --resume, "
+               "with fewer --workers if memory is short")
+
+
+def tokenized_in_order(executor, documents, chunk_size: int, in_flight: int):
+    """Each document's token array, in document order, from chunks of chunk_size documents of which at most
+    in_flight are queued or being tokenized at a time: memory stays bounded however fast the input comes. A worker
+    that dies (the kernel's out-of-memory killer, say) ends the run with one line."""
+    documents = iter(documents)
+    chunks = iter(lambda: list(itertools.islice(documents, chunk_size)), [])
+    pending, workers_seen = collections.deque(), set()
+    try:
+        for chunk in chunks:
+            pending.append(executor.submit(tokenize_documents, chunk))
+            if len(pending) == in_flight:
+                yield from result_when_done(pending.popleft(), workers_seen)
+        while pending:
+            yield from result_when_done(pending.popleft(), workers_seen)
+    except concurrent.futures.process.BrokenProcessPool:  # submit and result raise it once a worker has died
+        end_the_run_now(WORKER_DIED, status=1)
+
+
+def result_when_done(chunk: concurrent.futures.Future, workers_seen: set[int]) -> list[np.ndarray]:
+    """The chunk's result. A worker killed while sending a result leaves a cut message that the executor's own
+    thread waits on for good, so the executor never says that the pool broke: a worker seen alive and now gone is
+    what tells then."""
+    while True:
+        try:
+            return chunk.result(timeout=1)
+        except concurrent.futures.TimeoutError:
+            alive = {worker.pid for worker in multiprocessing.active_children()}
+            if workers_seen - alive:
+                end_the_run_now(WORKER_DIED, status=1)
+            workers_seen |= alive
+
 
 @contextlib.contextmanager
 def tokenizing(documents, workers: int):
-    """The documents' token arrays, in document order: a pool's imap keeps that order, so output never depends on
-    workers. Leaving early (an error) stops the input at the next document and lets the workers finish the few in
-    flight. Pool.terminate() would instead kill workers that may be halfway through sending a result, and then wait
-    forever for the rest of it (seen here: py-spy showed a stopped run waiting in Pool._terminate_pool)."""
+    """The documents' token arrays, in document order; the output never depends on the number of workers.
+    Leaving early (an error) cancels the queued chunks and lets the workers finish the ones they hold rather
+    than killing them (see end_the_run_now)."""
     if workers == 1:
         yield map(tokenize_document, documents)
         return
-    stop = threading.Event()
-
-    def until_stopped():  # read by the pool's feeder thread
-        for document in documents:
-            if stop.is_set():
-                return
-            yield document
-
-    pool = multiprocessing.Pool(workers, initializer=quiet_worker)
-    try:
-        yield pool.imap(tokenize_document, until_stopped(), chunksize=16)
-    finally:
-        stop.set()
-        pool.close()
-        pool.join()
+    with concurrent.futures.ProcessPoolExecutor(workers, initializer=start_worker, initargs=(os.getpid(),)) as executor:
+        try:
+            yield tokenized_in_order(executor, documents, chunk_size=16, in_flight=4 * workers)
+        finally:
+            executor.shutdown(wait=True, cancel_futures=True)
 
 
 @contextlib.contextmanager
 def signals_end_the_run(out_dir: str):
-    """In here, Ctrl-C, SIGTERM and SIGHUP end the run at once with one line, the workers killed first. Any moment
-    is a safe one: shards and the marker are only ever replaced whole. Exiting, rather than raising wherever the
-    main thread happens to be (inside the pool's locks, say), leaves no shutdown to go wrong. A signal that was
-    ignored (nohup, a background job) stays ignored."""
+    """In here, Ctrl-C, SIGTERM and SIGHUP end the run at once with one line (end_the_run_now), rather than
+    raising wherever the main thread happens to be. A signal that was ignored (nohup, a background job) stays
+    ignored."""
 
     def stop(signum, frame):
-        for worker in multiprocessing.active_children():
-            worker.kill()
         end_progress_bar = "\n" if sys.stderr.isatty() else ""
-        print(f"{end_progress_bar}stopped by {signal.Signals(signum).name}: the complete shards stay in {out_dir}; "
-              "rerun the same command with --resume to go on", file=sys.stderr, flush=True)
-        os._exit(128 + signum)  # the shell's convention for a process ended by that signal
+        end_the_run_now(f"{end_progress_bar}stopped by {signal.Signals(signum).name}: the complete shards stay in "
+                        f"{out_dir}; rerun the same command with --resume to go on",
+                        status=128 + signum)  # the shell's convention for a process ended by that signal
 
     previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
                 if signal.getsignal(signum) is not signal.SIG_IGN}

@@ -1,12 +1,14 @@
+import concurrent.futures
 import errno
 import json
-import multiprocessing.pool
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,11 +116,9 @@ def test_a_run_stopped_by_a_full_disk_resumes_to_the_same_bytes(sample_shards, t
     args = ["--input", str(SAMPLE), "--out_dir", str(tmp_path / "sample"), "--shard_size", "300000"]
     # fsyncs: the marker, then shard 0, marker, shard 1, marker, shard 2 (the one the disk cannot take)
     fail_the_nth_fsync(monkeypatch, 6)
-    # the pool is closed, never terminated: terminate() kills workers that may be halfway through sending a result
-    monkeypatch.setattr(multiprocessing.pool.Pool, "terminate", lambda pool: pytest.fail("Pool.terminate() called"))
     with pytest.raises(fineweb.ConfigError) as raised:
         fineweb.main(fineweb.parse_args(args + ["--workers", "2"]))
-    assert multiprocessing.active_children() == []  # the workers finished and exited
+    assert multiprocessing.active_children() == []  # the workers finished their chunks and exited
     assert str(raised.value) == (f"cannot write {tmp_path / 'sample' / 'sample_train_000002.npy'} (No space left on "
                                  "device): make room, then rerun with --resume")
     monkeypatch.undo()
@@ -163,6 +163,59 @@ def test_a_signal_stops_tokenizing_with_one_line_and_resume_finishes_the_shards(
     assert (out_dir / "INCOMPLETE").exists()
     assert fineweb.main(fineweb.parse_args(args + ["--resume"])) == (1400, 2 * 1_123_459, 45)
     assert np.array_equal(np.concatenate(read_shards(out_dir)), np.tile(np.concatenate(read_shards(reference)), 2))
+
+
+def start_tokenizing_and_find_workers(tmp_path):
+    """fineweb.py with 2 workers on the sample twice over, once it has written 3 shards: (process, worker pids)."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(SAMPLE.read_text(encoding="utf-8") * 2, encoding="utf-8")
+    out_dir = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, "fineweb.py", "--input", str(corpus), "--out_dir", str(out_dir),
+                                "--shard_size", "50000", "--workers", "2"], cwd=ROOT, text=True,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    while not (out_dir / "out_train_000002.npy").exists():
+        assert process.poll() is None, process.communicate()
+        time.sleep(0.01)
+    workers = subprocess.run(["ps", "-o", "pid=", "--ppid", str(process.pid)], capture_output=True, text=True)
+    return process, [int(pid) for pid in workers.stdout.split()]
+
+
+def test_a_worker_killed_by_the_system_is_one_line_not_a_hang(tmp_path):
+    process, workers = start_tokenizing_and_find_workers(tmp_path)
+    try:
+        os.kill(workers[0], signal.SIGKILL)  # as the kernel's out-of-memory killer does
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert (process.returncode, stdout) == (1, "")
+    assert stderr == ("error: a tokenizer process died (the system may have run out of memory): rerun with "
+                      "--resume, with fewer --workers if memory is short\n")
+    assert (tmp_path / "out" / "INCOMPLETE").exists()
+
+
+def test_a_worker_gone_while_sending_its_result_is_noticed_too(monkeypatch):
+    """Killed halfway through sending, a worker leaves a cut message that the executor's own thread waits on for
+    good, so the executor never says the pool broke: a worker seen alive and now gone is what tells."""
+    def end_the_run_now(message, status):
+        raise SystemExit((message, status))
+
+    monkeypatch.setattr(fineweb, "end_the_run_now", end_the_run_now)
+    never_done = concurrent.futures.Future()
+    with pytest.raises(SystemExit) as ended:
+        fineweb.result_when_done(never_done, workers_seen={2**22 + 1})  # a pid that is no child of this process
+    assert ended.value.code == ("error: a tokenizer process died (the system may have run out of memory): rerun "
+                                "with --resume, with fewer --workers if memory is short", 1)
+
+
+def test_the_workers_exit_when_the_main_process_is_killed(tmp_path):
+    process, workers = start_tokenizing_and_find_workers(tmp_path)
+    process.kill()
+    process.communicate()
+    assert len(workers) == 2
+    deadline = time.monotonic() + 10  # each checks on its parent once a second
+    while any(Path(f"/proc/{pid}").exists() for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in workers), "a worker outlived the main process"
 
 
 def interrupted_folder(tmp_path):
