@@ -214,14 +214,20 @@ def start_worker(main_pid: int) -> None:
     """Runs first in each tokenizer process. A worker leaves Ctrl-C (sent to the whole terminal group) and SIGHUP
     to the main process, which ends it, instead of each worker printing a traceback; SIGTERM (`pkill -f fineweb.py`
     reaches workers too) kills it silently rather than running the main process's handler, which the fork copied.
-    And it exits once the main process is gone (killed outright, say) instead of waiting for work forever."""
+    And it exits once the main process is gone (killed outright, say) instead of waiting for work forever: its
+    parent changes (fork, spawn), or the main pid no longer exists (forkserver, whose server outlives the main)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    parent = os.getppid()
 
     def exit_when_orphaned():
-        while os.getppid() == main_pid:
+        while os.getppid() == parent:
             time.sleep(1)
+            try:
+                os.kill(main_pid, 0)  # signal 0: only asks whether the process exists
+            except ProcessLookupError:
+                break
         os._exit(1)
 
     threading.Thread(target=exit_when_orphaned, daemon=True).start()
