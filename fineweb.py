@@ -293,11 +293,11 @@ def tokenizing(documents, workers: int):
     if workers == 1:
         yield map(tokenize_document, documents)
         return
-    with concurrent.futures.ProcessPoolExecutor(workers, initializer=start_worker, initargs=(os.getpid(),)) as executor:
-        try:
-            yield tokenized_in_order(executor, documents, chunk_size=16, in_flight=4 * workers)
-        finally:
-            executor.shutdown(wait=True, cancel_futures=True)
+    executor = concurrent.futures.ProcessPoolExecutor(workers, initializer=start_worker, initargs=(os.getpid(),))
+    try:
+        yield tokenized_in_order(executor, documents, chunk_size=16, in_flight=4 * workers)
+    finally:
+        executor.shutdown(wait=True, cancel_futures=True)
 
 
 @contextlib.contextmanager
@@ -485,13 +485,12 @@ def resume_position(out_dir: str, settings: dict) -> Position:
             raise ConfigError(f"--resume: the interrupted run in {out_dir} had --{name} {was}, not "
                               f"{'these' if name == 'input' else repr(value)}: pass the same settings, or "
                               "--overwrite to start again")
-    for index in range(position.shards):
-        path = shard_path(out_dir, settings["prefix"], index)
+    kept = [shard_path(out_dir, settings["prefix"], index) for index in range(position.shards)]
+    for path in kept:
         if not os.path.exists(path) or np.load(path, mmap_mode="r").shape != (settings["shard_size"],):
             raise ConfigError(f"--resume: {path} is missing or not {settings['shard_size']} tokens: "
                               "pass --overwrite to start again")
-    kept = {shard_path(out_dir, settings["prefix"], index) for index in range(position.shards)}
-    for path in set(shard_files(out_dir)) - kept:  # shards past the position, half-written ones
+    for path in set(shard_files(out_dir)) - set(kept):  # shards past the position, half-written ones
         os.remove(path)
     return position
 
