@@ -144,46 +144,44 @@ def test_a_run_stopped_by_a_full_disk_resumes_to_the_same_bytes(sample_shards, t
 def test_a_signal_stops_tokenizing_with_one_line_and_resume_finishes_the_shards(sample_shards, tmp_path, signum,
                                                                                  to_group):
     reference, _ = sample_shards
+    # its own session, as a terminal's foreground job is its own group; SIGINT as a shell leaves it to a foreground job
+    process, args = start_tokenizing(tmp_path, start_new_session=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    (os.killpg if to_group else os.kill)(process.pid, signum)
+    stdout, stderr = process.communicate(timeout=60)  # returns once the workers too have closed their stderr
+    assert (process.returncode, stdout) == (128 + signum, "")
+    assert stderr == (f"stopped by {signal.Signals(signum).name}: the complete shards stay in {tmp_path / 'out'}; "
+                      "rerun the same command with --resume to go on\n")  # and no worker's traceback
+    assert (tmp_path / "out" / "INCOMPLETE").exists()
+    assert fineweb.main(fineweb.parse_args(args + ["--resume"])) == (1400, 2 * 1_123_459, 45)
+    assert np.array_equal(np.concatenate(read_shards(tmp_path / "out")),
+                          np.tile(np.concatenate(read_shards(reference)), 2))
+
+
+def start_tokenizing(tmp_path, **popen_options):
+    """fineweb.py with 2 workers on the sample twice over into tmp_path/out, returned once it has written 3
+    shards: (the process, its arguments)."""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text(SAMPLE.read_text(encoding="utf-8") * 2, encoding="utf-8")
     out_dir = tmp_path / "out"
     args = ["--input", str(corpus), "--out_dir", str(out_dir), "--shard_size", "50000", "--workers", "2"]
-    # its own session, as a terminal's foreground job is its own group; SIGINT as a shell leaves it to a foreground job
     process = subprocess.Popen([sys.executable, "fineweb.py"] + args, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, start_new_session=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                               stderr=subprocess.PIPE, **popen_options)
     while not (out_dir / "out_train_000002.npy").exists():
         assert process.poll() is None, process.communicate()
         time.sleep(0.01)
-    (os.killpg if to_group else os.kill)(process.pid, signum)
-    stdout, stderr = process.communicate(timeout=60)  # returns once the workers too have closed their stderr
-    assert (process.returncode, stdout) == (128 + signum, "")
-    assert stderr == (f"stopped by {signal.Signals(signum).name}: the complete shards stay in {out_dir}; rerun the "
-                      "same command with --resume to go on\n")  # and no worker's traceback
-    assert (out_dir / "INCOMPLETE").exists()
-    assert fineweb.main(fineweb.parse_args(args + ["--resume"])) == (1400, 2 * 1_123_459, 45)
-    assert np.array_equal(np.concatenate(read_shards(out_dir)), np.tile(np.concatenate(read_shards(reference)), 2))
+    return process, args
 
 
-def start_tokenizing_and_find_workers(tmp_path):
-    """fineweb.py with 2 workers on the sample twice over, once it has written 3 shards: (process, worker pids)."""
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text(SAMPLE.read_text(encoding="utf-8") * 2, encoding="utf-8")
-    out_dir = tmp_path / "out"
-    process = subprocess.Popen([sys.executable, "fineweb.py", "--input", str(corpus), "--out_dir", str(out_dir),
-                                "--shard_size", "50000", "--workers", "2"], cwd=ROOT, text=True,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    while not (out_dir / "out_train_000002.npy").exists():
-        assert process.poll() is None, process.communicate()
-        time.sleep(0.01)
+def worker_pids(process) -> list[int]:
     workers = subprocess.run(["ps", "-o", "pid=", "--ppid", str(process.pid)], capture_output=True, text=True)
-    return process, [int(pid) for pid in workers.stdout.split()]
+    return [int(pid) for pid in workers.stdout.split()]
 
 
 def test_a_worker_killed_by_the_system_is_one_line_not_a_hang(tmp_path):
-    process, workers = start_tokenizing_and_find_workers(tmp_path)
+    process, _ = start_tokenizing(tmp_path)
     try:
-        os.kill(workers[0], signal.SIGKILL)  # as the kernel's out-of-memory killer does
+        os.kill(worker_pids(process)[0], signal.SIGKILL)  # as the kernel's out-of-memory killer does
         stdout, stderr = process.communicate(timeout=60)
     finally:
         process.kill()
@@ -208,7 +206,8 @@ def test_a_worker_gone_while_sending_its_result_is_noticed_too(monkeypatch):
 
 
 def test_the_workers_exit_when_the_main_process_is_killed(tmp_path):
-    process, workers = start_tokenizing_and_find_workers(tmp_path)
+    process, _ = start_tokenizing(tmp_path)
+    workers = worker_pids(process)
     process.kill()
     process.communicate()
     assert len(workers) == 2
