@@ -420,9 +420,9 @@ class GPT(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None, cache: KVCache | None = None):
-        """idx (B, T) token ids, following the cache's tokens if one is given. Returns logits (B, T, vocab_size),
-        or the mean loss if targets (B, T) is given."""
+    def hidden_states(self, idx, cache: KVCache | None = None):
+        """idx (B, T) token ids, following the cache's tokens if one is given. Returns the final LayerNorm's output
+        (B, T, n_embd), which lm_head turns into logits."""
         B, T = idx.shape
         start = cache.length if cache is not None else 0
         if start + T > self.config.block_size:
@@ -431,7 +431,12 @@ class GPT(nn.Module):
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, n_embd)
         for layer, block in enumerate(self.transformer.h):
             x = block(x, cache, layer)
-        x = self.transformer.ln_f(x)
+        return self.transformer.ln_f(x)
+
+    def forward(self, idx, targets=None, cache: KVCache | None = None):
+        """Logits (B, T, vocab_size) for idx (B, T), or the mean loss if targets (B, T) is given."""
+        B, T = idx.shape
+        x = self.hidden_states(idx, cache)
         if targets is None:
             return self.lm_head(x)  # (B, T, vocab_size)
         if self.loss_chunk_size:
@@ -842,12 +847,16 @@ def read_hellaswag(path: str) -> list[dict]:
         for line_number, line in enumerate(f, start=1):
             try:
                 record = json.loads(line)
-                valid = isinstance(record["ctx"], str) and len(record["endings"]) == 4 and record["label"] in range(4)
+                endings = record["endings"]
+                valid = (isinstance(record["ctx"], str) and isinstance(endings, list) and len(endings) == 4
+                         and all(isinstance(ending, str) for ending in endings) and record["label"] in range(4))
             except (json.JSONDecodeError, KeyError, TypeError):
                 valid = False
             if not valid:
                 raise ConfigError(f"{path} line {line_number} is not a HellaSwag record (ctx, 4 endings, label 0-3)")
             examples.append(record)
+    if not examples:
+        raise ConfigError(f"{path} holds no HellaSwag records: give hellaswag_val.jsonl's path")
     return examples
 
 
@@ -863,26 +872,52 @@ def render_hellaswag(example: dict, tokenizer) -> tuple[torch.Tensor, torch.Tens
     return tokens, mask, int(example["label"])
 
 
+def pack_hellaswag(rendered: list[tuple], max_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Rendered examples (tokens (4, L), mask (4, L), label) in batches: tokens (4n, L), mask (4n, L), labels (n,),
+    zero-padded to the batch's longest, at most max_tokens tokens with the padding unless one example alone is
+    longer. Shortest first, so that examples of like length share a batch and little of it is padding."""
+    groups = []
+    for example in sorted(rendered, key=lambda example: example[0].size(1)):
+        # sorted: this example is the longest yet, so the group would be padded to its length
+        if not groups or 4 * (len(groups[-1]) + 1) * example[0].size(1) > max_tokens:
+            groups.append([])
+        groups[-1].append(example)
+    batches = []
+    for group in groups:
+        length = group[-1][0].size(1)
+        tokens, mask = (torch.cat([F.pad(example[i], (0, length - example[i].size(1))) for example in group])
+                        for i in (0, 1))
+        batches.append((tokens, mask, torch.tensor([label for _, _, label in group])))
+    return batches
+
+
 @torch.no_grad()
-def hellaswag_choices(model, tokens: torch.Tensor, mask: torch.Tensor, autocast) -> tuple[int, int]:
-    """The ending with the lowest summed loss (acc) and with the lowest mean loss per token (acc_norm)."""
+def hellaswag_choices(model: GPT, tokens: torch.Tensor, mask: torch.Tensor, autocast) -> tuple[torch.Tensor, ...]:
+    """For each example of a batch (rows 4i to 4i + 3): the ending with the lowest summed loss (acc) and the one with
+    the lowest mean loss per token (acc_norm), each (n,).
+
+    Only the positions that predict an ending token get logits (about a quarter of them in HellaSwag): the
+    50304-row lm_head and the float32 cross-entropy over the others would be thrown away.
+    """
+    rows, positions = mask[:, 1:].nonzero(as_tuple=True)  # position i predicts token i + 1: (ending tokens,) each
     with autocast():
-        logits = model(tokens)  # (4, L, vocab)
-    # position i predicts token i + 1, so the ending's losses sit where mask[:, 1:] is 1
-    losses = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), tokens[:, 1:].flatten(), reduction="none")
-    ending = mask[:, 1:].float()
-    summed = (losses.view_as(ending) * ending).sum(dim=1)  # (4,)
-    return int(summed.argmin()), int((summed / ending.sum(dim=1)).argmin())
+        hidden = model.hidden_states(tokens)[rows, positions]  # (ending tokens, n_embd)
+        logits = model.lm_head(hidden)
+    losses = F.cross_entropy(logits.float(), tokens[rows, positions + 1], reduction="none")
+    summed = torch.zeros(len(tokens), device=tokens.device).index_add_(0, rows, losses).view(-1, 4)
+    mean = summed / mask[:, 1:].sum(dim=1).view(-1, 4)
+    return summed.argmin(dim=1), mean.argmin(dim=1)
 
 
-def evaluate_hellaswag(model: GPT, examples: list[dict], tokenizer, device: str, autocast, launch: Launch) -> dict:
-    """Accuracy over all examples; rank r scores examples r, r + W, ... and the counts are summed over ranks."""
+def evaluate_hellaswag(model: GPT, batches: list[tuple], device: str, autocast, launch: Launch) -> dict:
+    """Accuracy over all examples: each rank scores its own batches (open_hellaswag) and the counts are summed."""
     model.eval()
     counts = torch.zeros(3, device=device)  # examples, right by summed loss, right by mean loss
-    for example in examples[launch.rank :: launch.world_size]:
-        tokens, mask, label = render_hellaswag(example, tokenizer)
-        by_sum, by_mean = hellaswag_choices(model, tokens.to(device), mask.to(device), autocast)
-        counts += torch.tensor([1.0, by_sum == label, by_mean == label], device=device)
+    for tokens, mask, labels in batches:
+        by_sum, by_mean = hellaswag_choices(model, to_device(tokens, device), to_device(mask, device), autocast)
+        labels = to_device(labels, device)
+        counts[0] += len(labels)
+        counts[1:] += torch.stack([(by_sum == labels).sum(), (by_mean == labels).sum()])
     model.train()
     if launch.torchrun:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
@@ -1151,10 +1186,26 @@ def open_data(cfg: TrainConfig, launch: Launch, with_val: bool) -> tuple[DataLoa
     return train_loader, val_loader
 
 
-def open_hellaswag(cfg: TrainConfig, launch: Launch) -> list[dict]:
+# HellaSwag examples are scored in batches of at most this many tokens (fewer if a training micro-batch holds fewer):
+# one example at a time left a GPU waiting on kernel launches. Only ending tokens get logits, about a quarter of a
+# batch: 2048 x 50304 float32 logits take 0.4 GiB (1.5 GiB if a batch were all endings, like a loss slice)
+HELLASWAG_BATCH_TOKENS = 8192
+
+
+def open_hellaswag(cfg: TrainConfig, launch: Launch, block_size: int) -> list[tuple]:
+    """This rank's share of HellaSwag (examples r, r + W, ...), tokenized once for the whole run and packed into
+    batches; a model whose block_size is too short for the longest example is refused before training starts."""
     path = cfg.hellaswag_path or HELLASWAG_CACHE
     fetch_once_per_machine(path, HELLASWAG_URL, "pass --hellaswag_path with a local copy", launch)
-    return on_every_rank(lambda: read_hellaswag(path), launch)
+    examples = on_every_rank(lambda: read_hellaswag(path), launch)
+    tokenizer = gpt2_tokenizer()
+    rendered = [render_hellaswag(example, tokenizer) for example in examples[launch.rank :: launch.world_size]]
+    longest = max(gather_from_ranks(max((tokens.size(1) for tokens, _, _ in rendered), default=0), launch))
+    if longest > block_size:
+        fix = "" if cfg.eval_only else ", or drop --hellaswag_every"
+        raise ConfigError(f"the longest HellaSwag example in {path} takes {longest} tokens, more than the model's "
+                          f"block_size of {block_size}: HellaSwag needs --block_size {longest} or more{fix}")
+    return pack_hellaswag(rendered, min(HELLASWAG_BATCH_TOKENS, cfg.micro_batch_size * cfg.seq_len))
 
 
 def build_model(cfg: TrainConfig, launch: Launch, device: str) -> GPT:
@@ -1412,8 +1463,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
     device_type = device.split(":")[0]
     is_main = launch.rank == 0
     train_loader, val_loader = open_data(cfg, launch, with_val=cfg.eval_every > 0)
-    hellaswag = open_hellaswag(cfg, launch) if cfg.hellaswag_every else []
     raw_model = build_model(cfg, launch, device)
+    hellaswag = open_hellaswag(cfg, launch, raw_model.config.block_size) if cfg.hellaswag_every else []
 
     # resume: every rank reads the checkpoint, and all must have found the same one
     def resume_checkpoint():
@@ -1519,7 +1570,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
             log.write({"step": step, "val_loss": val_loss}, f"step {step:5d}/{cfg.max_steps} | val loss {val_loss:.6f}")
             evaluated = True
         if cfg.hellaswag_every and (steps_done % cfg.hellaswag_every == 0 or last_step):
-            scores = evaluate_hellaswag(raw_model, hellaswag, tokenizer, device, autocast, launch)
+            scores = evaluate_hellaswag(raw_model, hellaswag, device, autocast, launch)
             log.write({"step": step, **scores}, f"step {step:5d}/{cfg.max_steps} | HellaSwag acc_norm "
                       f"{scores['hellaswag_acc_norm']:.4f} (acc {scores['hellaswag_acc']:.4f})")
             evaluated = True
@@ -1586,12 +1637,12 @@ def generate_samples(cfg: TrainConfig, launch: Launch, device: str) -> list[str]
 def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
     """--eval_only: the validation loss and HellaSwag accuracy of --init_from's weights (or fresh ones)."""
     _, val_loader = open_data(cfg, launch, with_val=True)
-    examples = open_hellaswag(cfg, launch)
     model = build_model(cfg, launch, device)
+    hellaswag = open_hellaswag(cfg, launch, model.config.block_size)
     _, autocast = precision(cfg, device.split(":")[0])
     accum_steps = grad_accum_steps(cfg, launch.world_size)
     result = {"val_loss": estimate_val_loss(model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch),
-              **evaluate_hellaswag(model, examples, gpt2_tokenizer(), device, autocast, launch)}
+              **evaluate_hellaswag(model, hellaswag, device, autocast, launch)}
     if launch.rank == 0:
         print(f"val loss {result['val_loss']:.4f} | HellaSwag acc_norm {result['hellaswag_acc_norm']:.4f} "
               f"(acc {result['hellaswag_acc']:.4f}) over {result['hellaswag_examples']:,} examples", flush=True)

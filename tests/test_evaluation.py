@@ -2,6 +2,7 @@
 
 import contextlib
 import json
+import random
 
 import pytest
 import torch
@@ -10,7 +11,6 @@ import torch.nn.functional as F
 import train_gpt2 as t
 from conftest import TINY_ARGS, run_python, run_script
 from test_ddp import ONE_THREAD, torchrun
-from test_model import tiny_model
 
 TOKENIZER = t.gpt2_tokenizer()
 
@@ -29,42 +29,91 @@ def test_render_hellaswag_exact_tokens_and_mask():
     assert label == 0
 
 
-def test_scores_equal_an_independent_per_ending_loss():
-    model = tiny_model(vocab_size=50257, seed=3)
-    example = {"ctx": "The cat sat on the", "endings": ["mat.", "dog", "dog dog dog", "dog la la la la"], "label": 2}
+def made_up_examples(count, seed=0):
+    """HellaSwag-like records of many lengths: contexts of 1 to 20 words, endings of 1 to 8."""
+    words = "the cat sat on a mat and then dog ran far to see la who is my friend in town".split()
+    rng = random.Random(seed)
+    return [{"ctx": " ".join(rng.choices(words, k=rng.randint(1, 20))),
+             "endings": [" ".join(rng.choices(words, k=rng.randint(1, 8))) for _ in range(4)], "label": 0}
+            for _ in range(count)]
+
+
+def one_ending_at_a_time(model, example):
+    """(ending with the lowest summed loss, with the lowest mean loss), each ending scored alone and unpadded from
+    the model's full logits: nothing shared with hellaswag_choices but the model."""
     context = TOKENIZER.encode_ordinary(example["ctx"])
     sums, means = [], []
     with torch.no_grad():
-        for ending in example["endings"]:  # each ending alone, unpadded
+        for ending in example["endings"]:
             ending_tokens = TOKENIZER.encode_ordinary(" " + ending)
             row = torch.tensor([context + ending_tokens])
             losses = F.cross_entropy(model(row)[0, :-1], row[0, 1:], reduction="none")[len(context) - 1 :]
             assert len(losses) == len(ending_tokens)
             sums.append(losses.sum().item())
             means.append(losses.mean().item())
-    tokens, mask, _ = t.render_hellaswag(example, TOKENIZER)
-    by_sum, by_mean = t.hellaswag_choices(model, tokens, mask, contextlib.nullcontext)
-    assert by_sum == min(range(4), key=sums.__getitem__)
-    assert by_mean == min(range(4), key=means.__getitem__)
+    return min(range(4), key=sums.__getitem__), min(range(4), key=means.__getitem__)
 
 
-class EasyLaModel(torch.nn.Module):
-    """Uniform logits, except that the token " la" (8591) is easy to predict: each costs about 1.19 instead of
-    ln(50257) = 10.82. So " dog" (one hard token) has the lowest summed loss and " dog la la la la" (one hard,
-    four easy) the lowest mean loss: acc and acc_norm pick different endings."""
+def test_batched_scores_equal_each_ending_scored_alone():
+    """Batches of several examples, padded, logits only where an ending token is predicted: the same choice for
+    every example as its endings scored one by one. Each example is labelled with its own expected choice, so a
+    single wrong one (or one example's choice given to another) lowers the accuracy below 1."""
+    torch.manual_seed(3)
+    model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=50257)).eval()
+    examples = made_up_examples(24)
+    expected = [one_ending_at_a_time(model, example) for example in examples]
+    same = sum(by_sum == by_mean for by_sum, by_mean in expected) / len(examples)
+    assert 0 < same < 1 and len({by_sum for by_sum, _ in expected}) > 1  # the choices differ, so the test can fail
+    for labelled_by, scores in ((0, {"hellaswag_acc": 1.0, "hellaswag_acc_norm": same}),
+                                (1, {"hellaswag_acc": same, "hellaswag_acc_norm": 1.0})):
+        labelled = [{**example, "label": choices[labelled_by]} for example, choices in zip(examples, expected)]
+        batches = t.pack_hellaswag([t.render_hellaswag(example, TOKENIZER) for example in labelled], max_tokens=300)
+        assert len(batches) > 4 and max(len(labels) for _, _, labels in batches) > 2  # really in batches
+        assert t.evaluate_hellaswag(model, batches, "cpu", contextlib.nullcontext, t.Launch()) == {
+            "hellaswag_examples": 24, **scores}
 
-    config = t.GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=64, vocab_size=50257)
 
-    def forward(self, idx):
-        logits = torch.zeros(*idx.shape, 50257)
-        logits[:, :, 8591] = 10.0
-        return logits
+@pytest.mark.parametrize("max_tokens", [40, 300])  # 40: most examples take more alone, and go alone
+def test_pack_hellaswag_holds_each_example_once_within_the_token_budget(max_tokens):
+    rendered = [t.render_hellaswag({**example, "label": i % 4}, TOKENIZER)
+                for i, example in enumerate(made_up_examples(30, seed=1))]
+    batches = t.pack_hellaswag(rendered, max_tokens)
+    unpacked, lengths = [], []
+    for tokens, mask, labels in batches:
+        assert tokens.shape == mask.shape and tokens.size(0) == 4 * len(labels)
+        assert tokens.numel() <= max_tokens or len(labels) == 1
+        lengths.append(tokens.size(1))
+        for i, label in enumerate(labels.tolist()):
+            rows = slice(4 * i, 4 * i + 4)
+            length = int(mask[rows].nonzero()[:, 1].max()) + 1  # the example's own length: its longest ending's end
+            assert not tokens[rows, length:].any() and not mask[rows, length:].any()  # only padding after it
+            unpacked.append((tokens[rows, :length].tolist(), mask[rows, :length].tolist(), label))
+    assert lengths == sorted(lengths)  # shortest first: examples of like length share a batch
+    as_lists = [(tokens.tolist(), mask.tolist(), label) for tokens, mask, label in rendered]
+    assert sorted(unpacked) == sorted(as_lists)
+    assert (len(batches) == len(rendered)) == (max_tokens == 40)
+
+
+def easy_la_model():
+    """A GPT whose logits are 0 for every token but " la" (8591), 10 for it, at every position: the final LayerNorm
+    outputs its bias, (1, 0, ..., 0), and lm_head's first column is 10 on that row. Each " la" then costs about 1.19
+    instead of ln(50257) = 10.82, so " dog" (one hard token) has the lowest summed loss and " dog la la la la"
+    (one hard, four easy) the lowest mean loss: acc and acc_norm pick different endings."""
+    model = t.GPT(t.GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=64, vocab_size=50257))
+    with torch.no_grad():
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.zero_()
+        model.transformer.ln_f.bias[0] = 1.0
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[8591, 0] = 10.0
+    return model
 
 
 def test_acc_by_summed_loss_and_acc_norm_by_mean_loss_differ():
     endings = ["dog", "dog dog dog", "dog la la la la", "dog dog dog dog dog dog"]
     examples = [{"ctx": "The cat sat on the", "endings": endings, "label": label} for label in (0, 0, 2)]
-    scores = t.evaluate_hellaswag(EasyLaModel(), examples, TOKENIZER, "cpu", contextlib.nullcontext, t.Launch())
+    batches = t.pack_hellaswag([t.render_hellaswag(example, TOKENIZER) for example in examples], max_tokens=1024)
+    scores = t.evaluate_hellaswag(easy_la_model(), batches, "cpu", contextlib.nullcontext, t.Launch())
     assert scores == {"hellaswag_examples": 3, "hellaswag_acc": 2 / 3, "hellaswag_acc_norm": 1 / 3}
 
 
@@ -114,12 +163,42 @@ def test_hellaswag_offline_without_a_local_file(tmp_path, monkeypatch, capsys):
     assert line.endswith("): pass --hellaswag_path with a local copy")
 
 
-def test_hellaswag_file_with_a_bad_record(tmp_path, capsys):
+@pytest.mark.parametrize("record", [
+    {"ctx": "three endings", "endings": ["a", "b", "c"], "label": 0},
+    {"ctx": "a string of 4 letters", "endings": "abcd", "label": 0},  # was read as the endings "a", "b", "c", "d"
+    {"ctx": "endings that are no text", "endings": [1, 2, 3, 4], "label": 0},  # was a TypeError while scoring
+    {"ctx": "label out of range", "endings": ["a", "b", "c", "d"], "label": 4},
+])
+def test_hellaswag_file_with_a_bad_record(tmp_path, capsys, record):
     path = write_hellaswag(tmp_path / "hs.jsonl", 2)
     with open(path, "a") as f:
-        f.write(json.dumps({"ctx": "three endings", "endings": ["a", "b", "c"], "label": 0}) + "\n")
+        f.write(json.dumps(record) + "\n")
     line = one_line_exit(capsys, TINY_ARGS + ["--eval_only", "--hellaswag_path", str(path), "--log_dir", str(tmp_path)])
     assert line == f"error: {path} line 3 is not a HellaSwag record (ctx, 4 endings, label 0-3)"
+
+
+def test_empty_hellaswag_file(tmp_path, capsys):
+    path = tmp_path / "hs.jsonl"
+    path.write_text("")  # scoring it divided by zero
+    line = one_line_exit(capsys, TINY_ARGS + ["--eval_only", "--hellaswag_path", str(path), "--log_dir", str(tmp_path)])
+    assert line == f"error: {path} holds no HellaSwag records: give hellaswag_val.jsonl's path"
+
+
+@pytest.mark.parametrize("mode", [["--hellaswag_every", "2"], ["--eval_only"]])
+def test_hellaswag_longer_than_the_model_is_refused_before_training(tmp_path, capsys, mode):
+    """A model of 64 positions cannot read a 70-token example. Training used to stop with a ValueError traceback
+    at the first HellaSwag evaluation, --hellaswag_every steps in, with nothing saved."""
+    long_example = {"ctx": "the cat " * 30, "endings": ["sat", "ran", "sat on the mat", "la la la"], "label": 0}
+    longest = t.render_hellaswag(long_example, TOKENIZER)[0].size(1)
+    path = write_hellaswag(tmp_path / "hs.jsonl", 3)
+    with open(path, "a") as f:
+        f.write(json.dumps(long_example) + "\n")
+    line = one_line_exit(capsys, TINY_ARGS + mode + ["--hellaswag_path", str(path), "--log_dir", str(tmp_path)])
+    fix = ", or drop --hellaswag_every" if "--hellaswag_every" in mode else ""
+    assert line == (f"error: the longest HellaSwag example in {path} takes {longest} tokens, more than the model's "
+                    f"block_size of 64: HellaSwag needs --block_size {longest} or more{fix}")
+    metrics = tmp_path / "metrics.jsonl"
+    assert longest > 64 and (not metrics.exists() or metrics.read_text() == "")  # not a step was trained
 
 
 def test_openai_weights_through_transformers_give_the_same_logits():
