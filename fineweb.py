@@ -263,6 +263,7 @@ def tokenized_in_order(executor, documents, chunk_size: int, in_flight: int):
     try:
         for chunk in chunks:
             pending.append(executor.submit(tokenize_documents, chunk))
+            workers_seen |= {worker.pid for worker in multiprocessing.active_children()}  # submit starts them
             if len(pending) == in_flight:
                 yield from result_when_done(pending.popleft(), workers_seen)
         while pending:
@@ -273,16 +274,14 @@ def tokenized_in_order(executor, documents, chunk_size: int, in_flight: int):
 
 def result_when_done(chunk: concurrent.futures.Future, workers_seen: set[int]) -> list[np.ndarray]:
     """The chunk's result. A worker killed while sending a result leaves a cut message that the executor's own
-    thread waits on for good, so the executor never says that the pool broke: a worker seen alive and now gone is
-    what tells then."""
+    thread waits on for good, so the executor never says that the pool broke: a worker seen alive (when submit
+    started it) and now gone is what tells then."""
     while True:
         try:
             return chunk.result(timeout=1)
         except concurrent.futures.TimeoutError:
-            alive = {worker.pid for worker in multiprocessing.active_children()}
-            if workers_seen - alive:
+            if workers_seen - {worker.pid for worker in multiprocessing.active_children()}:
                 end_the_run_now(WORKER_DIED, status=1)
-            workers_seen |= alive
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import types
 from pathlib import Path
@@ -203,6 +204,37 @@ def test_a_worker_gone_while_sending_its_result_is_noticed_too(monkeypatch):
         fineweb.result_when_done(never_done, workers_seen={2**22 + 1})  # a pid that is no child of this process
     assert ended.value.code == ("error: a tokenizer process died (the system may have run out of memory): rerun "
                                 "with --resume, with fewer --workers if memory is short", 1)
+
+
+def test_a_worker_gone_before_the_first_wait_is_noticed(monkeypatch):
+    """The workers are noted as submit starts them. They used to be noted only when a wait for a result timed
+    out, so a worker killed while results still came quickly was never seen alive; if it was cut off while sending,
+    the run then waited forever (1 run in 40 of the killed-worker test above, and once in CI). Here the executor
+    starts a worker at the first submit, as ProcessPoolExecutor does, the worker ends 0.3 s later, and no result
+    ever comes."""
+    class ExecutorWithAStuckThread:
+        def __init__(self):
+            self.worker = None
+
+        def submit(self, function, chunk):
+            if self.worker is None:
+                self.worker = multiprocessing.Process(target=time.sleep, args=(0.3,))
+                self.worker.start()
+            return concurrent.futures.Future()
+
+    ended = []
+
+    def end_the_run_now(message, status):
+        ended.append((message, status))
+        raise SystemExit(status)
+
+    monkeypatch.setattr(fineweb, "end_the_run_now", end_the_run_now)
+    tokenized = fineweb.tokenized_in_order(ExecutorWithAStuckThread(), ["a document"], chunk_size=1, in_flight=1)
+    waiting = threading.Thread(target=list, args=(tokenized,), daemon=True)  # a daemon: the old code never returns
+    waiting.start()
+    waiting.join(timeout=10)
+    assert ended == [("error: a tokenizer process died (the system may have run out of memory): rerun with "
+                      "--resume, with fewer --workers if memory is short", 1)]
 
 
 def test_the_workers_exit_when_the_main_process_is_killed(tmp_path):
