@@ -128,6 +128,12 @@ class TrainConfig:
         metadata={"help": "compute the loss over slices of this many tokens, so the full float32 logits never exist; "
                   "0: plain loss over full logits (default: 0 with --compile, which fuses it, else 8192)"},
     )
+    recompute: bool = field(
+        default=False,
+        metadata={"help": "keep only each block's input from the forward pass and recompute the rest of its "
+                  "activations during backward (activation checkpointing): about a third more compute for a "
+                  "fraction of the activation memory, so a larger --micro_batch_size or model fits"},
+    )
     seed: int = field(default=1337, metadata={"help": "seed for initialisation, shuffling and sampling"})
     peak_tflops: float = field(
         default=989.0,
@@ -407,6 +413,7 @@ class GPT(nn.Module):
         # tokens per slice of the training loss; 0: the plain loss over full logits (torch.compile fuses that
         # one into something better; without compile the chunked one saves memory)
         self.loss_chunk_size = 0
+        self.recompute_blocks = False  # --recompute
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -430,7 +437,10 @@ class GPT(nn.Module):
         positions = torch.arange(start, start + T, device=idx.device)
         x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, n_embd)
         for layer, block in enumerate(self.transformer.h):
-            x = block(x, cache, layer)
+            if self.recompute_blocks and cache is None and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)  # saves x alone for backward
+            else:
+                x = block(x, cache, layer)
         return self.transformer.ln_f(x)
 
     def forward(self, idx, targets=None, cache: KVCache | None = None):
@@ -1223,6 +1233,7 @@ def build_model(cfg: TrainConfig, launch: Launch, device: str) -> GPT:
     model = GPT(model_config)
     if state is not None:
         model.load_state_dict(state)
+    model.recompute_blocks = cfg.recompute
     if cfg.loss_chunk_size is not None:
         model.loss_chunk_size = cfg.loss_chunk_size
     else:
@@ -1683,7 +1694,8 @@ def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str
         return f"{where} while generating: lower --num_samples"
     B, T = cfg.micro_batch_size, cfg.seq_len
     if B == 1:
-        return f"{where} at micro batch 1 x {T}: lower --seq_len or pick a smaller --model"
+        recompute = "" if cfg.recompute else "add --recompute, "
+        return f"{where} at micro batch 1 x {T}: {recompute}lower --seq_len or pick a smaller --model"
     # the largest smaller micro batch that still divides the step (1 always does)
     smaller = next(b for b in range(B - 1, 0, -1) if cfg.total_batch_size % (b * T * world_size) == 0)
     return (f"{where} at micro batch {B} x {T}: lower --micro_batch_size to {smaller} (a step stays "

@@ -118,12 +118,13 @@ def test_the_loss_is_chunked_unless_compile_fuses_it(flags, expected):
     assert t.build_model(cfg, t.Launch(), "cpu").loss_chunk_size == expected
 
 
-@pytest.mark.parametrize("chunk_size, fp8", [(0, False), (5, False), (0, True)])
-def test_the_training_forward_is_one_graph_for_torch_compile(chunk_size, fp8):
+@pytest.mark.parametrize("chunk_size, fp8, recompute", [(0, False, False), (5, False, False), (0, True, False),
+                                                       (0, False, True)])
+def test_the_training_forward_is_one_graph_for_torch_compile(chunk_size, fp8, recompute):
     """A graph break would split what compile fuses on a GPU; fullgraph=True turns any break into an error.
     The eager backend runs dynamo's capture without generating kernels, so the loss is the eager one exactly."""
     model = tiny_model(vocab_size=300)
-    model.loss_chunk_size = chunk_size
+    model.loss_chunk_size, model.recompute_blocks = chunk_size, recompute
     if fp8:
         pytest.importorskip("torchao")
         t.convert_to_float8(model)
@@ -134,6 +135,34 @@ def test_the_training_forward_is_one_graph_for_torch_compile(chunk_size, fp8):
     captured.backward()
     assert captured.item() == eager.item()
     assert model.transformer.wte.weight.grad is not None
+
+
+def test_recompute_runs_each_block_again_in_backward_for_the_same_loss_and_gradients(one_thread):
+    """--recompute keeps only each block's input and runs the block a second time during backward: the same
+    operations on the same inputs, so the loss and every gradient are those of the plain model, bit for bit.
+    Without gradients (evaluation, sampling) nothing is recomputed."""
+    model = tiny_model(vocab_size=300)
+    x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
+    block_calls = []
+    for block in model.transformer.h:
+        block.register_forward_pre_hook(lambda *args: block_calls.append(1))  # recomputing may stop early
+    results = []
+    for recompute in (False, True):
+        model.recompute_blocks = recompute
+        model.zero_grad()
+        block_calls.clear()
+        loss = model(x, y)
+        loss.backward()
+        results.append((len(block_calls), loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (plain_calls, plain_loss, plain_grads), (calls, loss, grads) = results
+    assert (plain_calls, calls) == (2, 4)  # 2 blocks: once each, or once more in backward
+    assert loss == plain_loss
+    for name, grad in plain_grads.items():
+        assert torch.equal(grads[name], grad), name
+    block_calls.clear()
+    with torch.no_grad():
+        model(x, y)
+    assert len(block_calls) == 2
 
 
 def test_fp8_is_refused_without_a_float8_gpu():

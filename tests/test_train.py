@@ -141,7 +141,8 @@ def test_reduced_precision_paths_track_float32(tmp_path, dtype, tolerance):
     assert max(abs(a - b) for a, b in zip(reduced, reference)) < tolerance
 
 
-@pytest.mark.parametrize("loss_flags", [[], ["--loss_chunk_size", "48"]])  # compile's own fused loss, or chunks
+# compile's own fused loss, or chunks; and with the blocks recomputed in backward
+@pytest.mark.parametrize("loss_flags", [[], ["--loss_chunk_size", "48"], ["--recompute"]])
 def test_compiled_model_trains_like_the_eager_one(tmp_path, loss_flags):
     """torch.compile is the CUDA default; inductor also compiles for CPU, so a GPU run finds no surprise."""
     eager = train_losses(run(["--max_steps", "3"], tmp_path, "eager"))
@@ -238,7 +239,8 @@ def raise_out_of_memory(*args, **kwargs):
 
 @pytest.mark.parametrize("flags, fix", [
     ([], "at micro batch 4 x 32: lower --micro_batch_size to 2 (a step stays 256 tokens, in more micro-steps)"),
-    (["--micro_batch_size", "1"], "at micro batch 1 x 32: lower --seq_len or pick a smaller --model"),
+    (["--micro_batch_size", "1"], "at micro batch 1 x 32: add --recompute, lower --seq_len or pick a smaller --model"),
+    (["--micro_batch_size", "1", "--recompute"], "at micro batch 1 x 32: lower --seq_len or pick a smaller --model"),
     (["--generate"], "while generating: lower --num_samples"),
 ])
 def test_running_out_of_device_memory_is_one_line_naming_the_flag_to_lower(tmp_path, capsys, monkeypatch, flags,
