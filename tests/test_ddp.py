@@ -158,6 +158,19 @@ def test_compiled_ddp_with_accumulation_trains_like_one_eager_process(tmp_path):
     assert len(eager) == 3 and max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4
 
 
+def test_recompute_under_ddp_trains_like_one_plain_process(tmp_path):
+    """--recompute runs each block again inside backward, while DDP's hooks reduce the gradients as they come.
+    Within float32 rounding: a rank's 2 micro-steps are averaged before the ranks are, one process averages 4."""
+    flags = TINY_ARGS + ["--max_steps", "3", "--total_batch_size", "512"]  # 2 micro-steps a rank
+    one = run_python(["train_gpt2.py"] + flags + ["--log_dir", str(tmp_path / "one")], env=ONE_THREAD)
+    two = torchrun(2, ["train_gpt2.py"] + flags + ["--recompute", "--log_dir", str(tmp_path / "two")])
+    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    for key in ("train_loss", "grad_norm"):
+        expected = [r[key] for r in records(tmp_path / "one") if key in r]
+        recomputed = [r[key] for r in records(tmp_path / "two") if key in r]
+        assert len(expected) == 3 and max(abs(a - b) for a, b in zip(expected, recomputed)) < 1e-5, key
+
+
 def test_a_loss_that_turns_nan_on_one_rank_stops_every_rank_with_one_line(tmp_path):
     """Rank 1 alone sees a NaN loss at step 3; the averaged loss and gradients carry it to rank 0, so both ranks
     stop at the same step, and the NaN weights are never checkpointed."""
