@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_gpt2 as t
 from conftest import TINY_ARGS
@@ -231,6 +232,46 @@ def test_an_infinite_gradient_norm_stops_training_unless_float16_loss_scaling_sk
     assert t.check_step_finite(7, 3.6, 1.5, loss_scaling=False, log_dir=str(tmp_path)) is None
     with pytest.raises(t.ConfigError, match="at step 7: loss nan, gradient norm nan"):
         t.check_step_finite(7, float("nan"), float("nan"), loss_scaling=True, log_dir=str(tmp_path))
+
+
+class HostWaits(TorchDispatchMode):
+    """Records the operators that make the host wait for a CUDA device: reading a value back (.item(), bool(),
+    int(), float() all run _local_scalar_dense) and nonzero (the size of its output depends on the data). They
+    dispatch the same on the CPU, where they can be counted without a GPU."""
+
+    WAITING = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
+
+    def __init__(self):
+        super().__init__()
+        self.waits = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.WAITING:
+            self.waits.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_host_waits_for_the_device_in_no_micro_step(tmp_path, monkeypatch):
+    """"One host sync a step" (Performance): inside the micro-step loop nothing reads a value back, so on a GPU the
+    host prepares the next batch and queues its kernels while the last ones run; the loss and gradient norm are
+    read once, after the optimizer step. Checked with the chunked loss (the default without compile) and the
+    plain one, 2 micro-steps a step."""
+    with HostWaits() as counter:  # the counter itself sees what it should
+        (torch.ones(3) > 0).nonzero()
+        torch.ones(3).sum().item()
+    assert counter.waits == ["nonzero.default", "_local_scalar_dense.default"]
+    waits, forward_backward = [], t.forward_backward
+
+    def counted_forward_backward(*args, **kwargs):
+        with HostWaits() as counter:
+            loss = forward_backward(*args, **kwargs)
+        waits.append(counter.waits)
+        return loss
+
+    monkeypatch.setattr(t, "forward_backward", counted_forward_backward)
+    for loss_chunk_size in ("48", "0"):
+        run(["--max_steps", "2", "--loss_chunk_size", loss_chunk_size], tmp_path, loss_chunk_size)
+    assert waits == [[], [], [], []]
 
 
 def raise_out_of_memory(*args, **kwargs):
