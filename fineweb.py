@@ -268,7 +268,7 @@ def tokenized_in_order(executor, documents, chunk_size: int, in_flight: int):
                 yield from result_when_done(pending.popleft(), workers_seen)
         while pending:
             yield from result_when_done(pending.popleft(), workers_seen)
-    except concurrent.futures.process.BrokenProcessPool:  # submit and result raise it once a worker has died
+    except concurrent.futures.BrokenExecutor:  # BrokenProcessPool: submit and result raise it once a worker has died
         end_the_run_now(WORKER_DIED, status=1)
 
 

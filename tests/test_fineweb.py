@@ -1,4 +1,5 @@
 import concurrent.futures
+import contextlib
 import errno
 import json
 import multiprocessing
@@ -230,7 +231,12 @@ def test_a_worker_gone_before_the_first_wait_is_noticed(monkeypatch):
 
     monkeypatch.setattr(fineweb, "end_the_run_now", end_the_run_now)
     tokenized = fineweb.tokenized_in_order(ExecutorWithAStuckThread(), ["a document"], chunk_size=1, in_flight=1)
-    waiting = threading.Thread(target=list, args=(tokenized,), daemon=True)  # a daemon: the old code never returns
+
+    def wait_for_the_results():
+        with contextlib.suppress(SystemExit):  # how the stand-in for end_the_run_now ends the wait
+            list(tokenized)
+
+    waiting = threading.Thread(target=wait_for_the_results, daemon=True)  # a daemon: the old code never returns
     waiting.start()
     waiting.join(timeout=10)
     assert ended == [("error: a tokenizer process died (the system may have run out of memory): rerun with "
