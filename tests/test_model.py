@@ -119,7 +119,7 @@ def test_the_loss_is_chunked_unless_compile_fuses_it(flags, expected):
 
 
 @pytest.mark.parametrize("chunk_size, fp8, recompute", [(0, False, False), (5, False, False), (0, True, False),
-                                                       (0, False, True)])
+                                                       (0, False, True), (0, True, True)])
 def test_the_training_forward_is_one_graph_for_torch_compile(chunk_size, fp8, recompute):
     """A graph break would split what compile fuses on a GPU; fullgraph=True turns any break into an error.
     The eager backend runs dynamo's capture without generating kernels, so the loss is the eager one exactly."""
