@@ -131,8 +131,9 @@ class TrainConfig:
     recompute: bool = field(
         default=False,
         metadata={"help": "keep only each block's input from the forward pass and recompute the rest of its "
-                  "activations during backward (activation checkpointing): one more forward of the blocks (a quarter more "
-                  "compute at 124M) for most of the activation memory, so a larger --micro_batch_size or model fits"},
+                  "activations during backward (activation checkpointing): one more forward of the blocks (a "
+                  "quarter more compute at 124M) for most of the activation memory, so a larger "
+                  "--micro_batch_size or model fits"},
     )
     seed: int = field(default=1337, metadata={"help": "seed for initialisation, shuffling and sampling"})
     peak_tflops: float = field(
@@ -637,12 +638,12 @@ class DataLoader:
     """
 
     def __init__(self, stream: TokenStream, batch_size: int, seq_len: int, rank: int, world_size: int,
-                 windows_per_step: int, shuffle: bool, seed: int, name: str):
+                 windows_per_step: int, shuffle: bool, seed: int, name: str, need: str, fix: str):
         self.num_windows = max(0, stream.num_tokens - 1) // seq_len
-        if self.num_windows < windows_per_step:
+        if self.num_windows < windows_per_step:  # need, fix: what takes that many windows, and what to change
             raise ConfigError(
                 f"the {name} data holds {stream.num_tokens:,} tokens, {self.num_windows:,} windows of {seq_len} + 1, "
-                f"fewer than one step needs ({windows_per_step:,}): use more data or a smaller batch"
+                f"but {need} needs {windows_per_step:,}: {fix}"
             )
         self.stream, self.batch_size, self.seq_len = stream, batch_size, seq_len
         self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
@@ -1178,11 +1179,17 @@ def open_data(cfg: TrainConfig, launch: Launch, with_val: bool) -> tuple[DataLoa
         B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
         windows_per_step = cfg.total_batch_size // T
         shuffle = cfg.shuffle if cfg.shuffle is not None else bool(cfg.data_dir)
+        more_data = "--data_dir with fineweb.py's shards" if not cfg.data_dir else "more shards"
         return (
-            DataLoader(train_stream, B, T, launch.rank, W, windows_per_step, shuffle, cfg.seed, "training"),
+            DataLoader(train_stream, B, T, launch.rank, W, windows_per_step, shuffle, cfg.seed, "training",
+                       f"one step of --total_batch_size {cfg.total_batch_size:,} tokens",
+                       f"train on more data ({more_data}) or lower --total_batch_size (the README's quick start "
+                       "trains a small model on tiny Shakespeare)"),
             # validation: in order, the same windows every time; all the evaluation's steps must fit
             DataLoader(val_stream, B, T, launch.rank, W, windows_per_step * cfg.eval_steps, False, cfg.seed,
-                       "validation") if with_val else None,
+                       "validation", f"an evaluation of --eval_steps {cfg.eval_steps} such steps",
+                       f"lower --eval_steps or --total_batch_size, or use more data ({more_data})")
+            if with_val else None,
         )
 
     train_loader, val_loader = on_every_rank(loaders, launch)

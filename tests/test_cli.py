@@ -55,6 +55,21 @@ def test_config_mistakes(args, message, capsys):
     assert error_line_in_process(TINY_ARGS + args, capsys) == message
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--total_batch_size", str(2**19)],  # the default step on the tiny model's 32-token windows
+     "error: the training data holds 304,222 tokens, 9,506 windows of 32 + 1, but one step of --total_batch_size "
+     "524,288 tokens needs 16,384: train on more data (--data_dir with fineweb.py's shards) or lower "
+     "--total_batch_size (the README's quick start trains a small model on tiny Shakespeare)"),
+    (["--eval_every", "5", "--eval_steps", "133"],  # 133 steps of 8 windows
+     "error: the validation data holds 33,803 tokens, 1,056 windows of 32 + 1, but an evaluation of --eval_steps 133 "
+     "such steps needs 1,064: lower --eval_steps or --total_batch_size, or use more data (--data_dir with "
+     "fineweb.py's shards)"),
+])
+def test_too_little_data_for_a_step_or_an_evaluation(args, message, capsys, tmp_path):
+    """`python3 train_gpt2.py` with no flags on tiny Shakespeare, the first thing a newcomer may type, ends here."""
+    assert error_line_in_process(TINY_ARGS + args + ["--log_dir", str(tmp_path)], capsys) == message
+
+
 def error_line_in_process(args, capsys):
     """What `python train_gpt2.py ARGS` prints on stderr for a mistake, as its __main__ block runs it."""
     try:

@@ -12,7 +12,7 @@ def arange_stream(n, pieces=1):
 
 
 def loader(stream, B=2, T=4, rank=0, world_size=1, windows_per_step=4, shuffle=False, seed=0):
-    return t.DataLoader(stream, B, T, rank, world_size, windows_per_step, shuffle, seed, "training")
+    return t.DataLoader(stream, B, T, rank, world_size, windows_per_step, shuffle, seed, "training", "a step", "too little data")
 
 
 def starts(data_loader, batches):
