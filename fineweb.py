@@ -198,7 +198,12 @@ def read_hub_documents(cfg: ShardConfig):
 def gpt2_encoding():
     import tiktoken
 
-    return tiktoken.get_encoding("gpt2")
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except (OSError, ValueError) as error:  # offline with nothing cached (requests' errors are OSErrors); a bad file
+        raise ConfigError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken downloads its two "
+                          "files once; connect to the network, or set TIKTOKEN_CACHE_DIR to a folder that holds "
+                          "them") from None
 
 
 def tokenize_document(text: str) -> np.ndarray:
@@ -502,6 +507,7 @@ def main(cfg: ShardConfig) -> tuple[int, int, int]:
     check_readers(paths)
     prefix = cfg.prefix or os.path.basename(os.path.normpath(cfg.out_dir))
     settings = run_settings(cfg, paths, prefix)
+    gpt2_encoding()  # loaded here first, so that a tokenizer that cannot be had stops the run before it starts
     make_out_dir(cfg.out_dir)
     with writing_alone(cfg.out_dir):
         if cfg.resume:

@@ -526,7 +526,12 @@ def flops_per_token(model_config: GPTConfig, num_params: int, seq_len: int) -> i
 def gpt2_tokenizer():
     import tiktoken  # imported here so that importing this file does no work
 
-    return tiktoken.get_encoding("gpt2")
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except (OSError, ValueError) as error:  # offline with nothing cached (requests' errors are OSErrors); a bad file
+        raise ConfigError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken downloads its two "
+                          "files once; connect to the network, or set TIKTOKEN_CACHE_DIR to a folder that holds "
+                          "them") from None
 
 
 def write_atomically(path: str, write) -> None:
@@ -1215,7 +1220,7 @@ def open_hellaswag(cfg: TrainConfig, launch: Launch, block_size: int) -> list[tu
     path = cfg.hellaswag_path or HELLASWAG_CACHE
     fetch_once_per_machine(path, HELLASWAG_URL, "pass --hellaswag_path with a local copy", launch)
     examples = on_every_rank(lambda: read_hellaswag(path), launch)
-    tokenizer = gpt2_tokenizer()
+    tokenizer = on_every_rank(gpt2_tokenizer, launch)
     rendered = [render_hellaswag(example, tokenizer) for example in examples[launch.rank :: launch.world_size]]
     longest = max(gather_from_ranks(max((tokens.size(1) for tokens, _, _ in rendered), default=0), launch))
     if longest > block_size:
@@ -1528,7 +1533,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
                     "skipped); resume with the checkpoint's data to go on exactly")
         restore_rng_states(checkpoint["rng"])
         log.say(f"resumed from step {start_step} ({checkpoint['windows_consumed']:,} windows into the data)")
-    tokenizer = gpt2_tokenizer()
+    tokenizer = on_every_rank(gpt2_tokenizer, launch)
     if is_main:
         compile_state = ("on" if cfg.compile_mode == "default" else cfg.compile_mode) if use_compile else "off"
         print(f"device {device} ({str(dtype).removeprefix('torch.')}, compile {compile_state}), "

@@ -70,6 +70,29 @@ def test_too_little_data_for_a_step_or_an_evaluation(args, message, capsys, tmp_
     assert error_line_in_process(TINY_ARGS + args + ["--log_dir", str(tmp_path)], capsys) == message
 
 
+TOKENIZER_OFFLINE = ("error: cannot load the GPT-2 tokenizer (ConnectionError): tiktoken downloads its two files once; "
+                     "connect to the network, or set TIKTOKEN_CACHE_DIR to a folder that holds them")
+
+
+def offline(name):
+    """What tiktoken.get_encoding raises with no network and nothing cached (requests' ConnectionError, an OSError;
+    it used to end the run with requests' traceback)."""
+    raise ConnectionError("HTTPSConnectionPool(host='openaipublic.blob.core.windows.net', port=443): Max retries "
+                          "exceeded with url: /gpt-2/encodings/main/vocab.bpe")
+
+
+@pytest.mark.parametrize("source", ["text", "shards"])  # the text is tokenized first; shards need it for samples
+def test_a_tokenizer_that_cannot_be_downloaded_is_one_line(source, monkeypatch, capsys, tmp_path):
+    tiktoken = pytest.importorskip("tiktoken")
+    data = []
+    if source == "shards":
+        for split in ("train", "val"):
+            np.save(tmp_path / f"tiny_{split}_000000.npy", np.arange(1000, dtype=np.uint16))
+        data = ["--data_dir", str(tmp_path)]
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    assert error_line_in_process(TINY_ARGS + data + ["--log_dir", str(tmp_path / "log")], capsys) == TOKENIZER_OFFLINE
+
+
 def error_line_in_process(args, capsys):
     """What `python train_gpt2.py ARGS` prints on stderr for a mistake, as its __main__ block runs it."""
     try:

@@ -347,6 +347,17 @@ def test_error_input_empty(tmp_path):
     assert line == f"error: no documents in --input {tmp_path / 'empty.jsonl'}: check the files"
 
 
+def test_a_tokenizer_that_cannot_be_downloaded_stops_it_before_anything_is_written(tmp_path, monkeypatch):
+    import tiktoken
+    from test_cli import TOKENIZER_OFFLINE, offline
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(fineweb.ConfigError) as stopped:
+        fineweb.main(fineweb.parse_args(["--input", str(SAMPLE), "--out_dir", str(tmp_path / "out")]))
+    assert f"error: {stopped.value}" == TOKENIZER_OFFLINE
+    assert not (tmp_path / "out").exists()
+
+
 def test_error_out_dir_not_empty(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
