@@ -352,6 +352,7 @@ def test_a_tokenizer_that_cannot_be_downloaded_stops_it_before_anything_is_writt
     from test_cli import TOKENIZER_OFFLINE, offline
 
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    fineweb.gpt2_encoding.cache_clear()  # earlier tests loaded it; a failed load is not cached
     with pytest.raises(fineweb.ConfigError) as stopped:
         fineweb.main(fineweb.parse_args(["--input", str(SAMPLE), "--out_dir", str(tmp_path / "out")]))
     assert f"error: {stopped.value}" == TOKENIZER_OFFLINE
