@@ -24,6 +24,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+if not SHAKESPEARE.exists():  # elsewhere (a GPU machine), the copy train_gpt2.py downloads
+    SHAKESPEARE = ROOT / "input.txt"
 QUICK_START_MODEL = ["--n_layer", "4", "--n_head", "4", "--n_embd", "128", "--block_size", "256"]
 
 
