@@ -1192,7 +1192,8 @@ def open_data(cfg: TrainConfig, launch: Launch, with_val: bool) -> tuple[DataLoa
                        "trains a small model on tiny Shakespeare)"),
             # validation: in order, the same windows every time; all the evaluation's steps must fit
             DataLoader(val_stream, B, T, launch.rank, W, windows_per_step * cfg.eval_steps, False, cfg.seed,
-                       "validation", f"an evaluation of --eval_steps {cfg.eval_steps} such steps",
+                       "validation",
+                       f"an evaluation of --eval_steps {cfg.eval_steps} steps of {cfg.total_batch_size:,} tokens",
                        f"lower --eval_steps or --total_batch_size, or use more data ({more_data})")
             if with_val else None,
         )

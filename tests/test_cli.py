@@ -62,7 +62,7 @@ def test_config_mistakes(args, message, capsys):
      "--total_batch_size (the README's quick start trains a small model on tiny Shakespeare)"),
     (["--eval_every", "5", "--eval_steps", "133"],  # 133 steps of 8 windows
      "error: the validation data holds 33,803 tokens, 1,056 windows of 32 + 1, but an evaluation of --eval_steps 133 "
-     "such steps needs 1,064: lower --eval_steps or --total_batch_size, or use more data (--data_dir with "
+     "steps of 256 tokens needs 1,064: lower --eval_steps or --total_batch_size, or use more data (--data_dir with "
      "fineweb.py's shards)"),
 ])
 def test_too_little_data_for_a_step_or_an_evaluation(args, message, capsys, tmp_path):
