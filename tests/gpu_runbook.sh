@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# The README's "To do on a GPU" runbook as commands (figures for the README, not a test): the GPU measurements
+# of the Performance table, in three groups that each fit one 10-minute call on a machine with no network.
+#
+#   bash tests/gpu_runbook.sh prepare          # here, with network or ../shared: fills .bench/ (git-ignored)
+#   bash tests/gpu_runbook.sh speed    # on the GPU: build-nanogpt vs ours, --no-compile, --recompute
+#   bash tests/gpu_runbook.sh fp8      # on the GPU: --fp8 speed, fp8 vs bf16 loss, --profile_steps
+#   bash tests/gpu_runbook.sh modes    # on the GPU: HellaSwag speed, --compile_mode variants
+#
+# On the device tool: carry .bench and run one group a call (each should take 6 to 9 minutes; the figures of the
+# first runs come back even if a call is stopped at its limit). Each run's output goes to NAME.log in $OUT if set,
+# else in .bench/logs/GROUP/, and a group ends with table.txt, the figures of all its runs.
+#
+# `prepare` needs build-nanogpt's train_gpt2.py saved by hand as .bench/build-nanogpt/train_gpt2.py (github.com/
+# karpathy/build-nanogpt; a version that reads input.txt, or the final one that reads edu_fineweb10B/ shards, with
+# its hellaswag.py beside it: the runbook sets its micro batch to 64, its steps to 30 and compile on, and gives it
+# both inputs). EXTRA_FLAGS, if set, is appended to each of our commands (the last value of a flag wins):
+# `EXTRA_FLAGS="--device cpu --n_layer 2 --n_head 2 --n_embd 64 --micro_batch_size 2 --total_batch_size 4096
+# --no-compile"` tries a group on a CPU in minutes, skipping build-nanogpt, which needs CUDA.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BENCH=.bench
+group=${1:-}
+case $group in
+  prepare | speed | fp8 | modes) ;;
+  *) echo "usage: bash tests/gpu_runbook.sh prepare|speed|fp8|modes"; exit 2 ;;
+esac
+LOGDIR=${OUT:-$PWD/$BENCH/logs/$group}  # NAME.log of each run, and table.txt
+RUNDIR=$PWD/$BENCH/runs/$group  # train_gpt2.py's --log_dir of each run
+export PYTHONUNBUFFERED=1 TIKTOKEN_CACHE_DIR="$PWD/$BENCH/tiktoken_cache"
+read -r -a extra <<< "${EXTRA_FLAGS:-}"
+# The benchmark command of the README's Performance section, on the prepared shards.
+BENCHMARK=(--data_dir "$BENCH/edu_fineweb10B" --max_steps 30 --warmup_steps 10 --eval_every 0 --sample_every 0
+           --ckpt_every 0)
+SHORT=("${BENCHMARK[@]}" --max_steps 20)  # for the variants: 17 timed steps, to fit a group in one call
+# fp8 against bf16 over 300 steps: micro batch 16 x 1024, one micro-step a step (16,384 tokens), 4.9 passes over
+# the 1.0M training tokens of the 700-document sample; validation on its first 112,000 tokens, never trained on.
+LOSS_RUN=(--data_dir "$BENCH/edu_fineweb10B" --micro_batch_size 16 --total_batch_size 16384 --max_steps 300
+          --warmup_steps 30 --eval_every 100 --eval_steps 6 --sample_every 0 --ckpt_every 0)
+
+prepare() {
+  mkdir -p "$BENCH/wheels" "$BENCH/old"
+  grep -qxF '/.bench/' .git/info/exclude 2>/dev/null || echo '/.bench/' >> .git/info/exclude
+  cp -r ../shared/tiktoken_cache "$BENCH/"
+  cp ../shared/data/tinyshakespeare.txt "$BENCH/input.txt"
+  # 1,123,459 tokens: a validation shard of 112,000, then 10 training shards, 1,011,459 tokens (more than the
+  # 524,288 of one step of the recipe, so a 30-step benchmark runs, starting new epochs at the same speed).
+  python3 fineweb.py --input ../shared/data/fineweb_10BT_sample.jsonl --out_dir "$BENCH/edu_fineweb10B" \
+    --shard_size 112000 --overwrite
+  git show 4b9a546:train_gpt2.py > "$BENCH/old/train_gpt2.py"  # HellaSwag scored one example at a time
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 -d "$BENCH/wheels" torchao==0.18.0
+  test -f "$BENCH/build-nanogpt/train_gpt2.py" || echo "missing: $BENCH/build-nanogpt/train_gpt2.py (save it by hand)"
+  du -sh "$BENCH"
+}
+
+# run NAME SECONDS COMMAND...: one run, its output in LOGDIR/NAME.log, stopped after SECONDS.
+run() {
+  local name=$1 seconds=$2
+  shift 2
+  echo "=== $name: $*" | tee "$LOGDIR/$name.log"
+  local started=$SECONDS
+  timeout --kill-after=10 "$seconds" "$@" >> "$LOGDIR/$name.log" 2>&1
+  echo "=== $name: exit $?, $((SECONDS - started)) s" | tee -a "$LOGDIR/$name.log"
+}
+
+ours() {  # ours NAME SECONDS FLAGS...: train_gpt2.py, its --log_dir RUNDIR/NAME
+  local name=$1 seconds=$2
+  shift 2
+  run "$name" "$seconds" python3 train_gpt2.py --log_dir "$RUNDIR/$name" "$@" "${extra[@]}"
+}
+
+build_nanogpt() {  # build-nanogpt with torch.compile, micro batch 64 x 1024, 30 steps, in its own folder
+  local folder=$BENCH/build-nanogpt-run
+  mkdir -p "$folder"
+  sed -e 's/^B = 16 .*/B = 64/' -e 's/^max_steps = .*/max_steps = 30/' \
+    -e 's/^use_compile = False.*/use_compile = True/' "$BENCH/build-nanogpt/train_gpt2.py" > "$folder/train_gpt2.py"
+  grep -q '^B = 64' "$folder/train_gpt2.py" && grep -q '^max_steps = 30' "$folder/train_gpt2.py" || {
+    echo "build-nanogpt: could not set B = 64 and max_steps = 30"; return; }
+  cp "$BENCH/input.txt" "$folder/"
+  ln -sfn "$PWD/$BENCH/edu_fineweb10B" "$folder/edu_fineweb10B"
+  (cd "$folder" && run build-nanogpt 170 python3 train_gpt2.py)
+}
+
+table() {  # the figures of every log in LOGDIR: summary lines, val losses, build-nanogpt's median, HellaSwag
+  python3 - "$LOGDIR" <<'EOF'
+import pathlib, re, statistics, sys
+for log in sorted(pathlib.Path(sys.argv[1]).glob("*.log"), key=lambda path: path.stat().st_mtime):  # run order
+    text = log.read_text(errors="replace")
+    figures = re.findall(r"^(summary: .*|step +\d+/\d+ \| val loss .*|\d+ examples: .*|error: .*)$", text, re.M)
+    speeds = [float(s) for step, s in re.findall(r"^step +(\d+) \|.*tok/sec: ([\d.]+)", text, re.M) if int(step) >= 3]
+    if speeds:  # build-nanogpt: the median of its printed tok/sec over steps 3 and later
+        figures.append(f"median {statistics.median(speeds):,.0f} tokens/s over {len(speeds)} steps")
+    print(f"{log.stem}: " + ("\n    ".join(figures) or "no figures: " + text.strip().splitlines()[-1]))
+EOF
+}
+
+if [ "$group" = prepare ]; then prepare; exit; fi
+rm -rf "$RUNDIR" && mkdir -p "$RUNDIR" "$LOGDIR"  # a clean slate: train_gpt2.py resumes from a --log_dir's checkpoint
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+python3 -c 'import torch; print("torch", torch.__version__)'
+if [ -d "$BENCH/wheels" ] && [ "$group" = fp8 ]; then  # torchao, for --fp8; nothing can be fetched there
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$BENCH"/wheels/*.whl &&
+    export PYTHONPATH=/tmp/site
+fi
+case $group in
+  speed)
+    [ -z "${EXTRA_FLAGS:-}" ] && build_nanogpt  # about 2 minutes with compilation
+    ours ours 200 "${BENCHMARK[@]}"
+    ours no-compile 100 "${SHORT[@]}" --no-compile
+    ours recompute 150 "${SHORT[@]}" --recompute
+    ours recompute-no-compile 100 "${SHORT[@]}" --recompute --no-compile ;;
+  fp8)
+    ours fp8 180 "${SHORT[@]}" --fp8
+    ours loss-bf16 150 "${LOSS_RUN[@]}"
+    ours loss-fp8 150 "${LOSS_RUN[@]}" --fp8
+    ours profile 120 "${SHORT[@]}" --profile_steps 3 ;;
+  modes)
+    [ -f input.txt ] || cp "$BENCH/input.txt" .  # the made-up HellaSwag records' words
+    for version in now:. 4b9a546:"$BENCH/old"; do
+      run "hellaswag-${version%%:*}" 120 python3 tests/hellaswag_speed.py --examples 2000 \
+        --code "${version#*:}" -- --n_layer 12 --n_head 12 --n_embd 768 --block_size 1024 --device cuda --seq_len 1024 \
+        --total_batch_size 8192 "${extra[@]}"
+    done
+    ours reduce-overhead 180 "${SHORT[@]}" --compile_mode reduce-overhead
+    ours max-autotune 300 "${SHORT[@]}" --compile_mode max-autotune ;;  # autotuning takes minutes
+esac
+table | tee "$LOGDIR/table.txt"
