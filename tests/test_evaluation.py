@@ -286,6 +286,40 @@ def test_init_from_our_checkpoint_and_generate(one_thread, tmp_path):
     assert "10 tokens in" in result.stdout and "(KV cache off, 1,637,248 parameters)" in result.stdout
 
 
+@pytest.mark.parametrize("source", ["gpt2", "our checkpoint"])
+def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer_and_data(one_thread, tmp_path, monkeypatch,
+                                                                            source):
+    """Training with --init_from: step 0's loss is the source model's own loss on the first 8 windows of the text
+    (so its weights were loaded, and the data starts at window 0); the steps count from 0 and the learning rate is
+    the new run's, not the checkpoint's."""
+    if source == "gpt2":  # OpenAI's weights as transformers holds them, of a tiny shape (no network)
+        transformers = pytest.importorskip("transformers")
+        torch.manual_seed(0)
+        hf_model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32)).eval()
+        with torch.no_grad():  # far from a fresh model's loss of ln(50257)
+            for parameter in hf_model.parameters():
+                parameter.normal_(0.0, 0.1)
+        monkeypatch.setitem(t.MODEL_SHAPES, "gpt2", (2, 2, 32))
+        monkeypatch.setattr(t, "load_openai_weights", lambda name: t.state_from_openai(hf_model.state_dict()))
+        init_from, source_logits = "gpt2", lambda idx: hf_model(idx).logits
+    else:
+        pretrained = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "3", "--log_dir", str(tmp_path / "pre")])).model
+        init_from, source_logits = str(tmp_path / "pre" / "ckpt_3.pt"), pretrained.eval()
+    flags = ["--init_from", init_from, "--text_file", TINY_ARGS[TINY_ARGS.index("--text_file") + 1], "--seq_len", "32",
+             "--micro_batch_size", "4", "--total_batch_size", "256", "--max_steps", "2", "--warmup_steps", "1",
+             "--max_lr", "3e-5", "--eval_every", "0", "--sample_every", "0", "--device", "cpu",
+             "--log_dir", str(tmp_path / "tune")]
+    cfg = t.parse_args(flags)
+    tokens = torch.from_numpy(t.read_text_tokens(cfg.text_file)[:257].astype("int64"))
+    with torch.no_grad():  # one step: windows 0-7 of 32 tokens (text files are not shuffled)
+        logits = source_logits(tokens[:256].view(8, 32))
+        expected = F.cross_entropy(logits.flatten(0, 1), tokens[1:].view(-1)).item()
+    records = [r for r in t.main(cfg).records if "train_loss" in r]
+    assert [r["step"] for r in records] == [0, 1]
+    assert records[0]["train_loss"] == pytest.approx(expected, abs=1e-5)
+    assert [r["lr"] for r in records] == [t.lr_at(0, cfg), t.lr_at(1, cfg)] and records[0]["lr"] == 3e-5
+
+
 def test_init_from_refuses_shape_flags(tmp_path):
     result = run_script(["--init_from", "gpt2", "--n_layer", "4", "--generate"])
     assert result.stderr.strip() == "error: --init_from gpt2 sets the model's shape: drop --n_layer"
