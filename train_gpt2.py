@@ -704,13 +704,15 @@ class Launch:
     local_rank: int = 0  # rank within this machine: picks the GPU
     world_size: int = 1
     torchrun: bool = False  # started by torchrun: a process group is needed, even for one process
+    local_world_size: int = 1  # processes on this machine: they share its memory
 
 
 def launch_from_env(environ) -> Launch:
     """The one place that reads torchrun's variables; everything else receives a Launch."""
     if "RANK" not in environ:
         return Launch()
-    return Launch(int(environ["RANK"]), int(environ["LOCAL_RANK"]), int(environ["WORLD_SIZE"]), torchrun=True)
+    return Launch(int(environ["RANK"]), int(environ["LOCAL_RANK"]), int(environ["WORLD_SIZE"]), torchrun=True,
+                  local_world_size=int(environ["LOCAL_WORLD_SIZE"]))
 
 
 def pick_device(requested: str, launch: Launch, cuda_available: bool, mps_available: bool) -> str:
@@ -779,6 +781,13 @@ def all_reduce_mean(value: torch.Tensor, launch: Launch) -> torch.Tensor:
 def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
     """Micro-steps per optimizer step; check_config has made sure this divides exactly."""
     return cfg.total_batch_size // (cfg.micro_batch_size * cfg.seq_len * world_size)
+
+
+def smaller_micro_batches(cfg: TrainConfig, world_size: int) -> list[int]:
+    """The micro batch sizes below --micro_batch_size that still divide a step, largest first (1 always does):
+    what a run that runs out of memory can switch to and train exactly the same."""
+    return [b for b in range(cfg.micro_batch_size - 1, 0, -1)
+            if cfg.total_batch_size % (b * cfg.seq_len * world_size) == 0]
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -1254,6 +1263,44 @@ def build_model(cfg: TrainConfig, launch: Launch, device: str) -> GPT:
     return model.to(device)
 
 
+# Values autograd keeps for backward per token, layer and channel of the width, at least: the LayerNorms' inputs and
+# outputs, q, k, v, the attention output, the MLP's 4 x width hidden layer before and after GELU. Counted on the CPU
+# with saved_tensors_hooks: 66-69 bytes in float32 (16.5-17 values), 37-44 under bf16 autocast (LayerNorms work in
+# float32). Backward's temporaries come on top: the 124M shape's peak RSS grew 1.4 times as fast (Measured figures).
+SAVED_VALUES_PER_TOKEN_LAYER_CHANNEL = 16
+
+
+def check_fits_in_cpu_memory(cfg: TrainConfig, model_config: GPTConfig, num_params: int, dtype: torch.dtype,
+                             launch: Launch, machine_bytes: int) -> None:
+    """Refuse, before the first step, a CPU run that cannot fit in the machine's memory: the kernel would kill it part
+    way without a word (a laptop given the GPU defaults). Counts only what must fit for sure, so it never refuses a
+    run that fits: float32 weights, gradients and AdamW's two moments (16 bytes a parameter), and the activations
+    saved for backward (with --recompute, each block's input and one block's saved values at a time)."""
+    width, layers = model_config.n_embd, model_config.n_layer
+    value_bytes = torch.finfo(dtype).bits // 8
+
+    def needed(micro_batch: int) -> int:
+        saved_layers = 1 if cfg.recompute else layers
+        per_token = SAVED_VALUES_PER_TOKEN_LAYER_CHANNEL * width * value_bytes * saved_layers
+        if cfg.recompute:
+            per_token += layers * width * 4  # the blocks' float32 inputs
+        return launch.local_world_size * (16 * num_params + micro_batch * cfg.seq_len * per_token)
+
+    B, T, gib = cfg.micro_batch_size, cfg.seq_len, 2**30
+    if needed(B) <= machine_bytes:
+        return
+    # half the machine for the lower bound leaves room for backward's temporaries and everything else running
+    fitting = [b for b in smaller_micro_batches(cfg, launch.world_size) if needed(b) <= machine_bytes / 2]
+    fix = (f"lower --micro_batch_size to {fitting[0]} (a step stays {cfg.total_batch_size:,} tokens, in more "
+           "micro-steps)" if fitting else "pick a smaller model or --seq_len")
+    if fitting and not cfg.recompute:
+        fix += ", or add --recompute"
+    processes = f" for {launch.local_world_size} processes" if launch.local_world_size > 1 else ""
+    raise ConfigError(f"micro batch {B} x {T} needs at least {needed(B) / gib:.1f} GiB of memory on the CPU{processes} "
+                      f"(weights, gradients, AdamW state and activations), more than this machine's "
+                      f"{machine_bytes / gib:.1f} GiB: {fix}")
+
+
 def compile_enabled(cfg: TrainConfig, device: str) -> bool:
     return cfg.compile if cfg.compile is not None else device.startswith("cuda")
 
@@ -1488,6 +1535,12 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
     is_main = launch.rank == 0
     train_loader, val_loader = open_data(cfg, launch, with_val=cfg.eval_every > 0)
     raw_model = build_model(cfg, launch, device)
+    num_params = count_parameters(raw_model)
+    dtype, autocast = precision(cfg, device_type)
+    if device_type == "cpu":  # machines may differ in memory: on_every_rank, so that all stop if one must
+        machine_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        on_every_rank(lambda: check_fits_in_cpu_memory(cfg, raw_model.config, num_params, dtype, launch,
+                                                       machine_bytes), launch)
     hellaswag = open_hellaswag(cfg, launch, raw_model.config.block_size) if cfg.hellaswag_every else []
 
     # resume: every rank reads the checkpoint, and all must have found the same one
@@ -1505,7 +1558,6 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
     start_step = checkpoint["step"] if checkpoint else 0
     log.begin(start_step if checkpoint else None)
 
-    num_params = count_parameters(raw_model)
     if cfg.fp8:
         convert_to_float8(raw_model)
     use_compile = compile_enabled(cfg, device)
@@ -1514,7 +1566,6 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
         # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of beside them
         model = DDP(model, device_ids=[launch.local_rank] if device_type == "cuda" else None,
                     gradient_as_bucket_view=True)
-    dtype, autocast = precision(cfg, device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)  # float16 needs loss scaling
     optimizer = configure_optimizer(raw_model, cfg, fused=device_type == "cuda")
     B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
@@ -1709,8 +1760,7 @@ def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str
     if B == 1:
         recompute = "" if cfg.recompute else "add --recompute, "
         return f"{where} at micro batch 1 x {T}: {recompute}lower --seq_len or pick a smaller --model"
-    # the largest smaller micro batch that still divides the step (1 always does)
-    smaller = next(b for b in range(B - 1, 0, -1) if cfg.total_batch_size % (b * T * world_size) == 0)
+    smaller = smaller_micro_batches(cfg, world_size)[0]
     return (f"{where} at micro batch {B} x {T}: lower --micro_batch_size to {smaller} (a step stays "
             f"{cfg.total_batch_size:,} tokens, in more micro-steps)")
 

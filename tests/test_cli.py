@@ -5,6 +5,7 @@ import shlex
 
 import numpy as np
 import pytest
+import torch
 
 import train_gpt2 as t
 from conftest import ROOT, TINY_ARGS, run_script
@@ -68,6 +69,72 @@ def test_config_mistakes(args, message, capsys):
 def test_too_little_data_for_a_step_or_an_evaluation(args, message, capsys, tmp_path):
     """`python3 train_gpt2.py` with no flags on tiny Shakespeare, the first thing a newcomer may type, ends here."""
     assert error_line_in_process(TINY_ARGS + args + ["--log_dir", str(tmp_path)], capsys) == message
+
+
+GPT2_ON_16_GIB = ("error: micro batch 64 x 1024 needs at least 37.9 GiB of memory on the CPU (weights, gradients, "
+                  "AdamW state and activations), more than this machine's 16.0 GiB: lower --micro_batch_size to 8 (a "
+                  "step stays {step} tokens, in more micro-steps), or add --recompute")
+
+
+def test_a_cpu_run_too_large_for_the_machine_is_one_line_before_the_first_step(capsys, monkeypatch, tmp_path):
+    """The GPU recipe's micro batch on a 16 GiB laptop: the kernel used to kill the run part way, without a word."""
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 16 * 2**30 // 4096}
+    monkeypatch.setattr(t.os, "sysconf", pages.__getitem__)
+    monkeypatch.setattr(t, "forward_backward", None)  # a step of this size here would take minutes, if it fit at all
+    args = ["--device", "cpu", "--text_file", TINY_ARGS[TINY_ARGS.index("--text_file") + 1], "--total_batch_size",
+            "65536", "--max_steps", "1", "--warmup_steps", "1", "--eval_every", "0", "--log_dir", str(tmp_path)]
+    assert error_line_in_process(args, capsys) == GPT2_ON_16_GIB.format(step="65,536")
+
+
+GPT2_124M = t.GPTConfig(12, 12, 768, 1024, 50304)
+
+
+@pytest.mark.parametrize("flags, launch, machine_gib, message", [
+    ([], t.Launch(), 16, GPT2_ON_16_GIB.format(step="524,288")),
+    ([], t.Launch(), 38, None),  # 16 x 124,475,904 + 65,536 tokens x 16 x 768 x 4 bytes x 12 layers = 37.85 GiB
+    (["--micro_batch_size", "8"], t.Launch(), 16, None),  # 6.4 GiB; measured: 7.7 GiB at the peak (Measured figures)
+    (["--recompute"], t.Launch(), 16, None),  # 1.85 GiB + 65,536 x (16 + 12) x 768 x 4 bytes = 7.1 GiB
+    (["--micro_batch_size", "8"], t.Launch(rank=0, world_size=2, torchrun=True, local_world_size=2), 12,
+     "error: micro batch 8 x 1024 needs at least 12.7 GiB of memory on the CPU for 2 processes (weights, gradients, "
+     "AdamW state and activations), more than this machine's 12.0 GiB: lower --micro_batch_size to 2 (a step stays "
+     "524,288 tokens, in more micro-steps), or add --recompute"),  # 2 x (1.85 + 2 x 0.56 GiB) fits in half of 12
+    (["--micro_batch_size", "1", "--recompute"], t.Launch(), 1.5,
+     "error: micro batch 1 x 1024 needs at least 1.9 GiB of memory on the CPU (weights, gradients, AdamW state and "
+     "activations), more than this machine's 1.5 GiB: pick a smaller model or --seq_len"),
+])
+def test_cpu_memory_check_counts_weights_optimizer_and_saved_activations(flags, launch, machine_gib, message):
+    cfg = t.parse_args(["--device", "cpu"] + flags)
+    check = lambda: t.check_fits_in_cpu_memory(cfg, GPT2_124M, 124_475_904, torch.float32, launch,
+                                               int(machine_gib * 2**30))
+    if message is None:
+        check()
+    else:
+        with pytest.raises(t.ConfigError) as refused:
+            check()
+        assert f"error: {refused.value}" == message
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_memory_check_is_a_close_lower_bound_of_what_autograd_saves(dtype):
+    """What a forward pass saves for backward, counted with saved_tensors_hooks (each storage once; not the weights,
+    nor the chunked loss's float32 gradient of the embedding, which does not grow with the batch), is at least the
+    check's figure for the activations, and not far more: the check never refuses a run that fits, and is not so
+    low that it lets everything through (under bf16 autocast the LayerNorms work in float32, hence its looser fit)."""
+    torch.manual_seed(0)
+    config = t.GPTConfig(n_layer=3, n_head=4, n_embd=96, block_size=128, vocab_size=50304)
+    model = t.GPT(config)
+    model.loss_chunk_size = 8192  # as on a CPU, where compile is off
+    storages = {}
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: storages.setdefault(x.untyped_storage().data_ptr(), x),
+                                                  lambda x: x):
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+            tokens = torch.randint(0, 50304, (4, 128))
+            model(tokens, tokens)
+    fixed = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = sum(x.untyped_storage().nbytes() for pointer, x in storages.items()
+                if pointer not in fixed and x.shape != (50304, 96))
+    bound = 4 * 128 * t.SAVED_VALUES_PER_TOKEN_LAYER_CHANNEL * 96 * torch.finfo(dtype).bits // 8 * 3
+    assert bound <= saved <= (1.1 if dtype == torch.float32 else 1.4) * bound, (saved, bound)
 
 
 TOKENIZER_OFFLINE = ("error: cannot load the GPT-2 tokenizer (ConnectionError): tiktoken downloads its two files once; "
