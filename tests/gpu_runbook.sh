@@ -87,7 +87,8 @@ table() {  # the figures of every log in LOGDIR: summary lines, val losses, buil
 import pathlib, re, statistics, sys
 for log in sorted(pathlib.Path(sys.argv[1]).glob("*.log"), key=lambda path: path.stat().st_mtime):  # run order
     text = log.read_text(errors="replace")
-    figures = re.findall(r"^(summary: .*|step +\d+/\d+ \| val loss .*|\d+ examples: .*|error: .*)$", text, re.M)
+    figures = re.findall(r"^step +0(?:/\d+)? \| loss:? \S+", text, re.M)  # both start near ln(50304) = 10.83
+    figures += re.findall(r"^(summary: .*|step +\d+/\d+ \| val loss .*|\d+ examples: .*|error: .*)$", text, re.M)
     speeds = [float(s) for step, s in re.findall(r"^step +(\d+) \|.*tok/sec: ([\d.]+)", text, re.M) if int(step) >= 3]
     if speeds:  # build-nanogpt: the median of its printed tok/sec over steps 3 and later
         figures.append(f"median {statistics.median(speeds):,.0f} tokens/s over {len(speeds)} steps")
