@@ -715,20 +715,27 @@ def launch_from_env(environ) -> Launch:
                   local_world_size=int(environ["LOCAL_WORLD_SIZE"]))
 
 
-def pick_device(requested: str, launch: Launch, cuda_available: bool, mps_available: bool) -> str:
+def pick_device(requested: str, launch: Launch, gpu_count: int, mps_available: bool) -> str:
+    """The device for this process; gpu_count is the machine's CUDA devices (those CUDA_VISIBLE_DEVICES shows)."""
     if requested == "auto":
-        requested = "cuda" if cuda_available else "mps" if mps_available else "cpu"
+        requested = "cuda" if gpu_count else "mps" if mps_available else "cpu"
     device_type, _, index = requested.partition(":")
     if device_type not in ("cpu", "cuda", "mps") or (index and (device_type != "cuda" or not index.isdigit())):
         raise ConfigError(f"unknown --device {requested!r}: use auto, cpu, cuda, cuda:N or mps")
-    if device_type == "cuda" and not cuda_available or device_type == "mps" and not mps_available:
+    if device_type == "cuda" and not gpu_count or device_type == "mps" and not mps_available:
         raise ConfigError(f"--device {requested} is not available on this machine: use --device auto or cpu")
     if device_type == "cuda" and launch.torchrun:
         if index and launch.world_size > 1:
             raise ConfigError(
                 f"--device {requested} names one GPU for {launch.world_size} processes: use --device cuda"
             )
+        if launch.local_world_size > gpu_count:  # the same on every process of the machine: all stop, rank 0 says so
+            raise ConfigError(f"{launch.local_world_size} processes on this machine, which has {gpu_count} GPU(s): "
+                              f"start one process a GPU (torchrun --nproc_per_node={gpu_count})")
         return f"cuda:{launch.local_rank}"  # one GPU per process
+    if index and int(index) >= gpu_count:
+        raise ConfigError(f"--device {requested} is not on this machine, which has {gpu_count} GPU(s), cuda:0 to "
+                          f"cuda:{gpu_count - 1}: pick one of those")
     return requested
 
 
@@ -1778,7 +1785,7 @@ def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult | dict |
     launch = launch or launch_from_env(os.environ)
     try:
         check_config(cfg, launch.world_size)
-        device = pick_device(cfg.device, launch, torch.cuda.is_available(), torch.backends.mps.is_available())
+        device = pick_device(cfg.device, launch, torch.cuda.device_count(), torch.backends.mps.is_available())
         if cfg.compile_mode != "default" and not compile_enabled(cfg, device):
             raise ConfigError(f"--compile_mode {cfg.compile_mode} needs torch.compile, which is off on {device}: "
                               "add --compile")

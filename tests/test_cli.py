@@ -256,9 +256,26 @@ def test_one_gpu_named_for_several_processes():
     import train_gpt2 as t
 
     with pytest.raises(t.ConfigError) as raised:
-        t.pick_device("cuda:1", t.Launch(rank=0, local_rank=0, world_size=2, torchrun=True), True, False)
+        t.pick_device("cuda:1", t.Launch(rank=0, local_rank=0, world_size=2, torchrun=True), 2, False)
     assert str(raised.value) == "--device cuda:1 names one GPU for 2 processes: use --device cuda"
-    assert t.pick_device("cuda", t.Launch(rank=3, local_rank=1, world_size=4, torchrun=True), True, False) == "cuda:1"
+    two_machines_of_2 = t.Launch(rank=3, local_rank=1, world_size=4, torchrun=True, local_world_size=2)
+    assert t.pick_device("cuda", two_machines_of_2, 2, False) == "cuda:1"
+
+
+@pytest.mark.parametrize("device, launch, message", [
+    # the README's 8-GPU command on a machine with 4: ranks 4-7 died with CUDA's "invalid device ordinal"
+    ("cuda", t.Launch(rank=0, local_rank=0, world_size=8, torchrun=True, local_world_size=8),
+     "error: 8 processes on this machine, which has 4 GPU(s): start one process a GPU (torchrun --nproc_per_node=4)"),
+    ("cuda:4", t.Launch(), "error: --device cuda:4 is not on this machine, which has 4 GPU(s), cuda:0 to cuda:3: pick "
+                           "one of those"),
+])
+def test_more_gpus_asked_for_than_the_machine_has(device, launch, message, monkeypatch, capsys):
+    monkeypatch.setattr(t.torch.cuda, "device_count", lambda: 4)
+    with pytest.raises(SystemExit) as exited:
+        t.main(t.parse_args(TINY_ARGS + ["--device", device, "--total_batch_size", "1024"]), launch)  # no process group
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip() == message
+    assert t.pick_device(device, launch, 8, False) == ("cuda:0" if launch.torchrun else "cuda:4")  # 8 GPUs: fine
 
 
 def test_sequence_longer_than_the_checkpoint_model(tmp_path):
