@@ -4,7 +4,7 @@
 #
 #   bash tests/gpu_runbook.sh prepare          # here, with network or ../shared: fills .bench/ (git-ignored)
 #   bash tests/gpu_runbook.sh speed    # on the GPU: build-nanogpt vs ours, --no-compile, --recompute
-#   bash tests/gpu_runbook.sh fp8      # on the GPU: --fp8 speed, fp8 vs bf16 loss, --profile_steps
+#   bash tests/gpu_runbook.sh fp8      # on the GPU: --fp8 speed, fp8 vs bf16 loss, --profile_steps, NCCL
 #   bash tests/gpu_runbook.sh modes    # on the GPU: HellaSwag speed, --compile_mode variants
 #
 # On the device tool: carry .bench and run one group a call (each should take 6 to 9 minutes; the figures of the
@@ -115,7 +115,10 @@ case $group in
     ours fp8 180 "${SHORT[@]}" --fp8
     ours loss-bf16 150 "${LOSS_RUN[@]}"
     ours loss-fp8 150 "${LOSS_RUN[@]}" --fp8
-    ours profile 120 "${SHORT[@]}" --profile_steps 3 ;;
+    ours profile 120 "${SHORT[@]}" --profile_steps 3
+    # DDP's NCCL path, which no CPU test can take: one process under torchrun, 10 steps of 65,536 tokens
+    run nccl 120 python3 -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt2.py \
+      --log_dir "$RUNDIR/nccl" "${SHORT[@]}" --max_steps 10 --total_batch_size 65536 --no-compile "${extra[@]}" ;;
   modes)
     [ -f input.txt ] || cp "$BENCH/input.txt" .  # the made-up HellaSwag records' words
     for version in now:. 4b9a546:"$BENCH/old"; do
