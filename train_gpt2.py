@@ -149,7 +149,8 @@ class TrainConfig:
     # where the weights come from, and what to do with them
     init_from: str = field(
         default="", metadata={"help": "start from gpt2, gpt2-medium, gpt2-large or gpt2-xl (OpenAI's weights, "
-                              "through transformers) or a checkpoint path; its shape replaces the shape flags"}
+                              "through transformers) or a checkpoint path; its shape replaces the shape flags. "
+                              "Training from it fine-tunes: a fresh optimizer, step 0 (--resume continues a run)"}
     )
     eval_only: bool = field(default=False, metadata={"help": "print the val loss and HellaSwag accuracy, then exit"})
     generate: bool = field(default=False, metadata={"help": "print --num_samples continuations of --prompt, then exit"})
