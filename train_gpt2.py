@@ -725,11 +725,9 @@ def pick_device(requested: str, launch: Launch, gpu_count: int, mps_available: b
         raise ConfigError(f"unknown --device {requested!r}: use auto, cpu, cuda, cuda:N or mps")
     if device_type == "cuda" and not gpu_count or device_type == "mps" and not mps_available:
         raise ConfigError(f"--device {requested} is not available on this machine: use --device auto or cpu")
-    if device_type == "cuda" and launch.torchrun:
-        if index and launch.world_size > 1:
-            raise ConfigError(
-                f"--device {requested} names one GPU for {launch.world_size} processes: use --device cuda"
-            )
+    if device_type == "cuda" and launch.torchrun and index and launch.world_size > 1:
+        raise ConfigError(f"--device {requested} names one GPU for {launch.world_size} processes: use --device cuda")
+    if device_type == "cuda" and launch.torchrun and not index:
         if launch.local_world_size > gpu_count:  # the same on every process of the machine: all stop, rank 0 says so
             raise ConfigError(f"{launch.local_world_size} processes on this machine, which has {gpu_count} GPU(s): "
                               f"start one process a GPU (torchrun --nproc_per_node={gpu_count})")
@@ -1572,7 +1570,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
     model = torch.compile(raw_model, mode=cfg.compile_mode) if use_compile else raw_model
     if launch.torchrun:
         # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets instead of beside them
-        model = DDP(model, device_ids=[launch.local_rank] if device_type == "cuda" else None,
+        model = DDP(model, device_ids=[torch.device(device).index] if device_type == "cuda" else None,
                     gradient_as_bucket_view=True)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)  # float16 needs loss scaling
     optimizer = configure_optimizer(raw_model, cfg, fused=device_type == "cuda")

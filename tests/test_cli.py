@@ -260,6 +260,8 @@ def test_one_gpu_named_for_several_processes():
     assert str(raised.value) == "--device cuda:1 names one GPU for 2 processes: use --device cuda"
     two_machines_of_2 = t.Launch(rank=3, local_rank=1, world_size=4, torchrun=True, local_world_size=2)
     assert t.pick_device("cuda", two_machines_of_2, 2, False) == "cuda:1"
+    one_process = t.Launch(torchrun=True)  # a GPU named for a lone process is the one it gets (it used to get cuda:0)
+    assert t.pick_device("cuda:1", one_process, 2, False) == "cuda:1"
 
 
 @pytest.mark.parametrize("device, launch, message", [
