@@ -16,9 +16,21 @@ ENTRY = "tests/ddp_entry.py"
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
+# What a process prints when C++ aborts it while Python shuts down ("<no Python frame>"), after its work is done
+# and its process group destroyed: gloo's threads, PyTorch #179291. Seen 3 times in about 25 runs of the suite on
+# a loaded 2-core machine (torch 2.11 and 2.13, tests that stop or resume a 2-process run), never in 40 runs of
+# such a launch alone.
+ABORT_AT_EXIT = "terminate called without an active exception\nFatal Python error: Aborted\n\nThread 0x"
+
+
 def torchrun(nproc, args, timeout=240, env=None):
-    return run_python(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + args,
-                      env={**ONE_THREAD, **(env or {})}, timeout=timeout)
+    """Run torchrun; a launch that a rank's abort at exit made fail runs once more (every launch in these tests
+    gives the same result when repeated: a finished run resumes to nothing left to do, a stopped one stops again)."""
+    command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + args
+    result = run_python(command, env={**ONE_THREAD, **(env or {})}, timeout=timeout)
+    if result.returncode != 0 and ABORT_AT_EXIT in result.stderr and "<no Python frame>" in result.stderr:
+        result = run_python(command, env={**ONE_THREAD, **(env or {})}, timeout=timeout)
+    return result
 
 
 def assert_every_rank_stopped_with_one_line(result, message):
