@@ -796,6 +796,12 @@ def smaller_micro_batches(cfg: TrainConfig, world_size: int) -> list[int]:
             if cfg.total_batch_size % (b * cfg.seq_len * world_size) == 0]
 
 
+def lower_micro_batch_fix(cfg: TrainConfig, micro_batch: int) -> str:
+    """The fix that memory errors name: the same training, in more micro-steps."""
+    return (f"lower --micro_batch_size to {micro_batch} (a step stays {cfg.total_batch_size:,} tokens, in more "
+            "micro-steps)")
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to max_lr (step 0 already takes a non-zero step), cosine decay to min lr at max_steps."""
     min_lr = cfg.max_lr * cfg.min_lr_ratio
@@ -1297,8 +1303,7 @@ def check_fits_in_cpu_memory(cfg: TrainConfig, model_config: GPTConfig, num_para
         return
     # half the machine for the lower bound leaves room for backward's temporaries and everything else running
     fitting = [b for b in smaller_micro_batches(cfg, launch.world_size) if needed(b) <= machine_bytes / 2]
-    fix = (f"lower --micro_batch_size to {fitting[0]} (a step stays {cfg.total_batch_size:,} tokens, in more "
-           "micro-steps)" if fitting else "pick a smaller model or --seq_len")
+    fix = lower_micro_batch_fix(cfg, fitting[0]) if fitting else "pick a smaller model or --seq_len"
     if fitting and not cfg.recompute:
         fix += ", or add --recompute"
     processes = f" for {launch.local_world_size} processes" if launch.local_world_size > 1 else ""
@@ -1766,9 +1771,7 @@ def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str
     if B == 1:
         recompute = "" if cfg.recompute else "add --recompute, "
         return f"{where} at micro batch 1 x {T}: {recompute}lower --seq_len or pick a smaller --model"
-    smaller = smaller_micro_batches(cfg, world_size)[0]
-    return (f"{where} at micro batch {B} x {T}: lower --micro_batch_size to {smaller} (a step stays "
-            f"{cfg.total_batch_size:,} tokens, in more micro-steps)")
+    return f"{where} at micro batch {B} x {T}: {lower_micro_batch_fix(cfg, smaller_micro_batches(cfg, world_size)[0])}"
 
 
 def exit_on_user_error(error: ConfigError, launch: Launch, leave_process_group: bool = False) -> typing.NoReturn:

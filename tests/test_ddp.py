@@ -27,9 +27,10 @@ def torchrun(nproc, args, timeout=240, env=None):
     """Run torchrun; a launch that a rank's abort at exit made fail runs once more (every launch in these tests
     gives the same result when repeated: a finished run resumes to nothing left to do, a stopped one stops again)."""
     command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + args
-    result = run_python(command, env={**ONE_THREAD, **(env or {})}, timeout=timeout)
+    env = {**ONE_THREAD, **(env or {})}
+    result = run_python(command, env=env, timeout=timeout)
     if result.returncode != 0 and ABORT_AT_EXIT in result.stderr and "<no Python frame>" in result.stderr:
-        result = run_python(command, env={**ONE_THREAD, **(env or {})}, timeout=timeout)
+        result = run_python(command, env=env, timeout=timeout)
     return result
 
 
