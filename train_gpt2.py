@@ -738,14 +738,73 @@ def pick_device(requested: str, launch: Launch, gpu_count: int, mps_available: b
     return requested
 
 
-def init_distributed(launch: Launch, device: str) -> None:
+# Flags that name a place on this machine: they may differ between machines (each mounts its data somewhere)
+MACHINE_LOCAL_FLAGS = ("data_dir", "text_file", "text_url", "hellaswag_path", "log_dir", "init_from", "resume",
+                       "export_hf")
+
+
+def startup_verdict(posts: list[dict]) -> str:
+    """What stops the job before it starts, given each rank's {"problem": str | None, "flags": dict | None}
+    (flags None where they did not parse); empty if nothing does. Flags that differ come first: a command typed
+    differently on one machine is the cause of the mistakes it makes there."""
+    parsed = [(rank, post["flags"]) for rank, post in enumerate(posts) if post["flags"] is not None]
+    differing = []
+    if parsed:
+        first_rank, first_flags = parsed[0]
+        for name in [name for name in first_flags if name not in MACHINE_LOCAL_FLAGS]:
+            other = next(((rank, flags[name]) for rank, flags in parsed if flags[name] != first_flags[name]), None)
+            if other:
+                differing.append(f"--{name} {first_flags[name]} on rank {first_rank} but {other[1]} on rank {other[0]}")
+    if differing:
+        return (f"the processes were started with different flags ({', '.join(differing)}): start every machine "
+                "with the same command")
+    for rank, post in enumerate(posts):
+        if post["problem"] is not None:
+            return post["problem"] if rank == 0 else f"{post['problem']} (on rank {rank})"
+    return ""
+
+
+def exit_on_user_error(error: ConfigError, launch: Launch, leave_process_group: bool = False) -> typing.NoReturn:
+    if launch.rank == 0:  # said first: once a peer has exited, torchrun ends this process within a second
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    if leave_process_group:
+        dist.destroy_process_group()
+    sys.exit(2)
+
+
+def start_together(launch: Launch, problem: ConfigError | None, cfg: TrainConfig | None) -> dist.Store | None:
+    """Stop if this process or, under torchrun, any other found a mistake before the process group exists (cfg is
+    None where the flags did not parse). Every process posts its problem and flags to torchrun's key-value store,
+    rank 0 posts the verdict, and all stop with it or go on: a mistake only one machine makes (a command typed
+    differently there, fewer GPUs) used to stop that machine without a word while the others waited 20 minutes for
+    it in init_process_group. Returns the store, to make the process group from."""
+    if not launch.torchrun:
+        if problem:
+            exit_on_user_error(problem, launch)
+        return None
+    store, _, _ = next(dist.rendezvous(f"env://?rank={launch.rank}&world_size={launch.world_size}",
+                                       timeout=DIST_TIMEOUT))
+    post = {"problem": None if problem is None else str(problem),
+            "flags": None if cfg is None else dataclasses.asdict(cfg)}
+    store.set(f"startup/{launch.rank}", json.dumps(post))
+    if launch.rank == 0:
+        store.set("startup/verdict", startup_verdict([json.loads(store.get(f"startup/{rank}"))
+                                                      for rank in range(launch.world_size)]))
+    verdict = store.get("startup/verdict").decode()
+    if verdict:
+        exit_on_user_error(ConfigError(verdict), launch)
+    return store
+
+
+def init_distributed(launch: Launch, device: str, store: dist.Store | None = None) -> None:
     """Make a CUDA device the current one (pinned memory and NCCL use it: no stray context on GPU 0), then
-    under torchrun join the process group."""
+    under torchrun join the process group, through start_together's store (None: one made from the environment)."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
     if not launch.torchrun:
         return
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=DIST_TIMEOUT)
+    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", store=store, rank=launch.rank,
+                            world_size=launch.world_size, timeout=DIST_TIMEOUT)
 
 
 def gather_from_ranks(value, launch: Launch) -> list:
@@ -1569,8 +1628,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
     start_step = checkpoint["step"] if checkpoint else 0
     log.begin(start_step if checkpoint else None)
 
-    if cfg.fp8:
-        convert_to_float8(raw_model)
+    if cfg.fp8:  # a machine may lack torchao: then every rank stops
+        on_every_rank(lambda: convert_to_float8(raw_model), launch)
     use_compile = compile_enabled(cfg, device)
     model = torch.compile(raw_model, mode=cfg.compile_mode) if use_compile else raw_model
     if launch.torchrun:
@@ -1774,17 +1833,10 @@ def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str
     return f"{where} at micro batch {B} x {T}: {lower_micro_batch_fix(cfg, smaller_micro_batches(cfg, world_size)[0])}"
 
 
-def exit_on_user_error(error: ConfigError, launch: Launch, leave_process_group: bool = False) -> typing.NoReturn:
-    if launch.rank == 0:  # said first: once a peer has exited, torchrun ends this process within a second
-        print(f"error: {error}", file=sys.stderr, flush=True)
-    if leave_process_group:
-        dist.destroy_process_group()
-    sys.exit(2)
-
-
 @record  # under torchrun, the failure summary then names the failing rank and shows its traceback
 def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult | dict | list[str] | str:
     launch = launch or launch_from_env(os.environ)
+    problem = None
     try:
         check_config(cfg, launch.world_size)
         device = pick_device(cfg.device, launch, torch.cuda.device_count(), torch.backends.mps.is_available())
@@ -1794,8 +1846,9 @@ def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult | dict |
         if cfg.fp8:
             check_fp8_supported(device, torch.cuda.get_device_capability(device) if device.startswith("cuda") else None)
     except ConfigError as error:
-        exit_on_user_error(error, launch)
-    init_distributed(launch, device)
+        problem = error
+    store = start_together(launch, problem, cfg)
+    init_distributed(launch, device, store)
     result = None
     try:
         with StopSignal() as stop_signal:
@@ -1827,5 +1880,5 @@ if __name__ == "__main__":
     try:
         config = parse_args(sys.argv[1:])
     except ConfigError as error:
-        exit_on_user_error(error, launch)
+        start_together(launch, error, None)  # this process stops here, and under torchrun every other one too
     main(config, launch)

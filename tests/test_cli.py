@@ -1,5 +1,7 @@
 """Each user mistake: exit status 2, one line on stderr naming the problem and the fix, nothing else."""
 
+import dataclasses
+import json
 import re
 import shlex
 
@@ -273,8 +275,17 @@ def test_one_gpu_named_for_several_processes():
 ])
 def test_more_gpus_asked_for_than_the_machine_has(device, launch, message, monkeypatch, capsys):
     monkeypatch.setattr(t.torch.cuda, "device_count", lambda: 4)
+    cfg = t.parse_args(TINY_ARGS + ["--device", device, "--total_batch_size", "1024"])
+    if launch.torchrun:  # this test plays torchrun's agent, whose store the processes meet at, and ranks 1-7
+        store = t.dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+        monkeypatch.setenv("MASTER_PORT", str(store.port))
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+        for rank in range(1, 8):  # they found the same problem on this machine
+            store.set(f"startup/{rank}", json.dumps({"problem": message.removeprefix("error: "),
+                                                     "flags": dataclasses.asdict(cfg)}))
     with pytest.raises(SystemExit) as exited:
-        t.main(t.parse_args(TINY_ARGS + ["--device", device, "--total_batch_size", "1024"]), launch)  # no process group
+        t.main(cfg, launch)  # stops before any process group
     assert exited.value.code == 2
     assert capsys.readouterr().err.strip() == message
     assert t.pick_device(device, launch, 8, False) == ("cuda:0" if launch.torchrun else "cuda:4")  # 8 GPUs: fine

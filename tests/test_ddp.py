@@ -1,5 +1,6 @@
 """DDP for real: torchrun starts 2 processes on the gloo backend, as a user would on a CPU machine."""
 
+import dataclasses
 import json
 import os
 import socket
@@ -7,8 +8,10 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
+import train_gpt2
 from conftest import ROOT, TINY_ARGS, run_python
 
 ENTRY = "tests/ddp_entry.py"
@@ -51,13 +54,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def on_two_nodes(args, timeout=120):
+def on_two_nodes(args, timeout=120, node_extra_args=([], [])):
     """The README's multi-node command with both machines on this host: a torchrun agent for node 0 and one for
-    node 1, one process each (LOCAL_RANK 0 on both, RANK 0 and 1), meeting at node 0's address and port.
-    Returns each node's (exit status, stdout, stderr)."""
+    node 1, one process each (LOCAL_RANK 0 on both, RANK 0 and 1), meeting at node 0's address and port; node N's
+    command ends with node_extra_args[N]. Returns each node's (exit status, stdout, stderr)."""
     port = free_port()
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                               f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}"] + args,
+                               f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}"] + args +
+                              node_extra_args[node],
                               cwd=ROOT, env={**os.environ, **ONE_THREAD}, text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE) for node in (0, 1)]
     try:
@@ -90,6 +94,40 @@ def test_two_processes_on_one_machine_or_two_train_exactly_like_one(tmp_path):
     assert "2 process(es)" in two.stdout
     assert two.stdout.count("step     5/6 | loss") == 1  # rank 0 alone prints
     assert nodes[0][1].count("step     5/6 | loss") == 1 and nodes[1][1] == ""  # rank 0 is on node 0
+
+
+@pytest.mark.parametrize("node_1_flags, message", [
+    (["--micro_batch_size", "2"], "error: the processes were started with different flags (--micro_batch_size 4 on "
+                                  "rank 0 but 2 on rank 1): start every machine with the same command"),
+    (["--max_stepz", "3"], "error: unrecognized arguments: --max_stepz 3 (see --help) (on rank 1)"),
+])
+def test_a_mistake_made_on_another_machine_stops_both_with_one_line_from_rank_0(tmp_path, node_1_flags, message):
+    """A command typed differently on node 1: before, node 1 stopped without a word and node 0 waited 20 minutes in
+    init_process_group for it. (--micro_batch_size 2 alone is a valid command: only the comparison catches it.)"""
+    started = time.monotonic()
+    flags = TINY_ARGS + ["--max_steps", "3", "--log_dir", str(tmp_path / "log")]
+    nodes = on_two_nodes(["train_gpt2.py"] + flags, node_extra_args=[[], node_1_flags])
+    assert time.monotonic() - started < 60
+    assert [status for status, _, _ in nodes] == [1, 1]  # torchrun's own status for a failed worker
+    (_, stdout_0, stderr_0), (_, stdout_1, stderr_1) = nodes
+    assert stderr_0.splitlines().count(message) == 1, stderr_0
+    assert "exitcode  : 2" in stderr_0 and "exitcode  : 2" in stderr_1  # every worker stopped on its own
+    assert "error: " not in stderr_1 and "step " not in stdout_0 + stdout_1
+
+
+def test_the_startup_verdict_names_differing_flags_first_then_the_first_problem():
+    flags = dataclasses.asdict(train_gpt2.TrainConfig())
+    other = {**flags, "max_steps": 10, "seed": 1, "data_dir": "/mnt/other/shards"}  # a path may differ by machine
+    ok, failed = {"problem": None, "flags": flags}, {"problem": "no GPU", "flags": flags}
+    unparsed = {"problem": "unrecognized arguments: --x", "flags": None}
+    assert train_gpt2.startup_verdict([ok, ok, ok]) == ""
+    assert train_gpt2.startup_verdict([ok, {"problem": None, "flags": {**flags, "data_dir": "/x"}}]) == ""
+    assert train_gpt2.startup_verdict([ok, failed, {"problem": None, "flags": other}]) == (
+        "the processes were started with different flags (--max_steps 19073 on rank 0 but 10 on rank 2, --seed 1337 "
+        "on rank 0 but 1 on rank 2): start every machine with the same command")
+    assert train_gpt2.startup_verdict([ok, unparsed, failed]) == "unrecognized arguments: --x (on rank 1)"
+    assert train_gpt2.startup_verdict([failed, unparsed]) == "no GPU"
+    assert train_gpt2.startup_verdict([unparsed, ok]) == "unrecognized arguments: --x"
 
 
 def test_sync_on_the_last_micro_step_only_gives_the_same_gradients(tmp_path):

@@ -1,4 +1,5 @@
 import math
+import sys
 
 import pytest
 import torch
@@ -172,6 +173,12 @@ def test_fp8_is_refused_without_a_float8_gpu():
     with pytest.raises(t.ConfigError, match="this run is on cuda:0"):
         t.check_fp8_supported("cuda:0", (8, 0))  # A100: bf16 only
     t.check_fp8_supported("cuda:0", (9, 0))  # H100
+
+
+def test_fp8_without_torchao_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # what a machine without torchao gives the import
+    with pytest.raises(t.ConfigError, match=r"^--fp8 needs torchao: pip install torchao$"):
+        t.convert_to_float8(tiny_model(vocab_size=64))
 
 
 def test_fp8_conversion_swaps_the_block_linears_and_still_trains():
