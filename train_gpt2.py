@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 PROJECT_ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -134,6 +135,13 @@ class TrainConfig:
                   "activations during backward (activation checkpointing): one more forward of the blocks (a "
                   "quarter more compute at 124M) for most of the activation memory, so a larger "
                   "--micro_batch_size or model fits"},
+    )
+    shard_optimizer: bool = field(
+        default=False,
+        metadata={"help": "under torchrun, each process keeps AdamW's moments for its share of the weights only and "
+                  "updates that share, then sends it to the others (ZeRO stage 1): 8 bytes a parameter become "
+                  "8 / processes, for a larger model on smaller GPUs; the same training; one process: nothing to "
+                  "shard"},
     )
     seed: int = field(default=1337, metadata={"help": "seed for initialisation, shuffling and sampling"})
     peak_tflops: float = field(
@@ -872,14 +880,18 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
 
 
-def configure_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices and embeddings (2-D) only, never on biases and LayerNorms."""
+def configure_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool, sharded: bool = False) -> torch.optim.Optimizer:
+    """AdamW with weight decay on matrices and embeddings (2-D) only, never on biases and LayerNorms. sharded: ZeRO
+    stage 1 over the process group; its state_dict (after consolidate_state_dict) is the plain optimizer's."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused)
+    options = dict(lr=cfg.max_lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    if sharded:  # not fused: a sharded fused AdamW cannot load a checkpoint (its step counts land on the CPU: #124133)
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **options)
+    return torch.optim.AdamW(groups, fused=fused, **options)
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -1345,17 +1357,19 @@ def check_fits_in_cpu_memory(cfg: TrainConfig, model_config: GPTConfig, num_para
                              launch: Launch, machine_bytes: int) -> None:
     """Refuse, before the first step, a CPU run that cannot fit in the machine's memory: the kernel would kill it part
     way without a word (a laptop given the GPU defaults). Counts only what must fit for sure, so it never refuses a
-    run that fits: float32 weights, gradients and AdamW's two moments (16 bytes a parameter), and the activations
-    saved for backward (with --recompute, each block's input and one block's saved values at a time)."""
+    run that fits: float32 weights, gradients and AdamW's two moments (16 bytes a parameter; with
+    --shard_optimizer the moments' 8 are shared out over the processes), and the activations saved for backward
+    (with --recompute, each block's input and one block's saved values at a time)."""
     width, layers = model_config.n_embd, model_config.n_layer
     value_bytes = torch.finfo(dtype).bits // 8
+    bytes_per_param = 8 + (8 / launch.world_size if cfg.shard_optimizer else 8)
 
-    def needed(micro_batch: int) -> int:
+    def needed(micro_batch: int) -> float:
         saved_layers = 1 if cfg.recompute else layers
         per_token = SAVED_VALUES_PER_TOKEN_LAYER_CHANNEL * width * value_bytes * saved_layers
         if cfg.recompute:
             per_token += layers * width * 4  # the blocks' float32 inputs
-        return launch.local_world_size * (16 * num_params + micro_batch * cfg.seq_len * per_token)
+        return launch.local_world_size * (bytes_per_param * num_params + micro_batch * cfg.seq_len * per_token)
 
     B, T, gib = cfg.micro_batch_size, cfg.seq_len, 2**30
     if needed(B) <= machine_bytes:
@@ -1630,6 +1644,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
 
     if cfg.fp8:  # a machine may lack torchao: then every rank stops
         on_every_rank(lambda: convert_to_float8(raw_model), launch)
+    B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
     use_compile = compile_enabled(cfg, device)
     model = torch.compile(raw_model, mode=cfg.compile_mode) if use_compile else raw_model
     if launch.torchrun:
@@ -1637,8 +1652,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
         model = DDP(model, device_ids=[torch.device(device).index] if device_type == "cuda" else None,
                     gradient_as_bucket_view=True)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)  # float16 needs loss scaling
-    optimizer = configure_optimizer(raw_model, cfg, fused=device_type == "cuda")
-    B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
+    sharded = cfg.shard_optimizer and W > 1
+    optimizer = configure_optimizer(raw_model, cfg, fused=device_type == "cuda", sharded=sharded)
     accum_steps = grad_accum_steps(cfg, W)
     flops_per_step = (flops_per_token(raw_model.config, num_params, T) * cfg.total_batch_size
                       if device_type == "cuda" else None)
@@ -1661,6 +1676,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
         print(f"device {device} ({str(dtype).removeprefix('torch.')}, compile {compile_state}), "
               f"{W} process(es); {num_params:,} parameters; {cfg.total_batch_size:,} tokens per step = "
               f"{accum_steps} micro-steps x {W} process(es) x {B} x {T}; "
+              f"{'AdamW state sharded over the processes; ' if sharded else ''}"
               f"{train_loader.stream.num_tokens:,} train tokens",
               flush=True)
 
@@ -1731,6 +1747,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
         pause = not last_step and cfg.stop_after_steps and steps_done - start_step == cfg.stop_after_steps
         if last_step or stop or pause or cfg.ckpt_every and steps_done % cfg.ckpt_every == 0:
             def write_checkpoint():  # rank 0 writes it; the others wait until it is complete, or stop with rank 0
+                if sharded:
+                    optimizer.consolidate_state_dict(to=0)  # every rank sends its share of AdamW's state to rank 0
                 if is_main:
                     state = {"model": raw_model.state_dict(), "model_config": dataclasses.asdict(raw_model.config),
                              "optimizer": optimizer.state_dict(),
@@ -1828,8 +1846,10 @@ def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str
         return f"{where} while generating: lower --num_samples"
     B, T = cfg.micro_batch_size, cfg.seq_len
     if B == 1:
-        recompute = "" if cfg.recompute else "add --recompute, "
-        return f"{where} at micro batch 1 x {T}: {recompute}lower --seq_len or pick a smaller --model"
+        flags = [flag for flag, on in (("--recompute", cfg.recompute),
+                                       ("--shard_optimizer", cfg.shard_optimizer or world_size == 1)) if not on]
+        add = f"add {' and '.join(flags)}, " if flags else ""
+        return f"{where} at micro batch 1 x {T}: {add}lower --seq_len or pick a smaller --model"
     return f"{where} at micro batch {B} x {T}: {lower_micro_batch_fix(cfg, smaller_micro_batches(cfg, world_size)[0])}"
 
 

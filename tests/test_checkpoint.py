@@ -139,6 +139,25 @@ def test_resume_at_another_world_size_trains_on_the_same_tokens(tmp_path, first,
     assert checkpoint["windows_consumed"] == 8 * 8  # 8 steps of 256 tokens = 8 windows of 32
 
 
+def test_a_sharded_optimizer_trains_exactly_like_the_plain_one_and_their_checkpoints_mix(tmp_path,
+                                                                                       eight_steps_in_one_process):
+    """--shard_optimizer (ZeRO stage 1): each of 2 processes keeps AdamW's state for and updates its share of the
+    weights. Each weight's update is the plain optimizer's arithmetic, so the losses are bitwise those of one plain
+    process; the checkpoint holds the whole state, so a sharded run goes on in a plain one and back."""
+    log_dir = tmp_path / "log"
+    args = EIGHT_STEPS + ["--log_dir", str(log_dir)]
+    sharded = torchrun(2, ["train_gpt2.py"] + args + ["--shard_optimizer", "--stop_after_steps", "3"])
+    assert sharded.returncode == 0, sharded.stderr
+    assert "AdamW state sharded over the processes" in sharded.stdout
+    num_tensors = len(list(t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64)).parameters()))
+    assert len(torch.load(log_dir / "ckpt_3.pt")["optimizer"]["state"]) == num_tensors  # both shares
+    plain = run_script(args + ["--resume", "auto", "--stop_after_steps", "3"], env=ONE_THREAD)
+    assert plain.returncode == 0, plain.stderr
+    sharded_again = torchrun(2, ["train_gpt2.py"] + args + ["--shard_optimizer", "--resume", "auto"])
+    assert sharded_again.returncode == 0, sharded_again.stderr
+    assert logged(log_dir) == eight_steps_in_one_process
+
+
 def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):
     run(["--max_steps", "3", "--warmup_steps", "1"], tmp_path)
     checkpoint = torch.load(tmp_path / "ckpt_3.pt", weights_only=True)  # the safe loader reads it
