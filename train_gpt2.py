@@ -751,21 +751,40 @@ MACHINE_LOCAL_FLAGS = ("data_dir", "text_file", "text_url", "hellaswag_path", "l
                        "export_hf")
 
 
-def startup_verdict(posts: list[dict]) -> str:
-    """What stops the job before it starts, given each rank's {"problem": str | None, "flags": dict | None}
-    (flags None where they did not parse); empty if nothing does. Flags that differ come first: a command typed
-    differently on one machine is the cause of the mistakes it makes there."""
-    parsed = [(rank, post["flags"]) for rank, post in enumerate(posts) if post["flags"] is not None]
+def software_versions() -> dict:
+    """What must be the same on every machine besides the flags: PyTorch, and this file (a machine with an older
+    checkout computes something else, or fails in a collective that the others never reach)."""
+    code_digest = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    return {"torch": torch.__version__, "train_gpt2.py sha256": code_digest}
+
+
+def differing_values(rows: list[tuple[int, dict]], prefix: str = "", skip: tuple = ()) -> list[str]:
+    """rows: (rank, {name: value}). For each name whose value differs from the first row's: "<prefix><name> <value>
+    on rank <first> but <value> on rank <other>"."""
+    if not rows:
+        return []
+    first_rank, first = rows[0]
     differing = []
-    if parsed:
-        first_rank, first_flags = parsed[0]
-        for name in [name for name in first_flags if name not in MACHINE_LOCAL_FLAGS]:
-            other = next(((rank, flags[name]) for rank, flags in parsed if flags[name] != first_flags[name]), None)
-            if other:
-                differing.append(f"--{name} {first_flags[name]} on rank {first_rank} but {other[1]} on rank {other[0]}")
-    if differing:
-        return (f"the processes were started with different flags ({', '.join(differing)}): start every machine "
-                "with the same command")
+    for name in [name for name in first if name not in skip]:
+        other = next(((rank, values[name]) for rank, values in rows if values[name] != first[name]), None)
+        if other:
+            differing.append(f"{prefix}{name} {first[name]} on rank {first_rank} but {other[1]} on rank {other[0]}")
+    return differing
+
+
+def startup_verdict(posts: list[dict]) -> str:
+    """What stops the job before it starts, given each rank's {"problem": str | None, "flags": dict | None,
+    "software": software_versions()} (flags None where they did not parse); empty if nothing does. Differing
+    software and flags come first: they are the cause of the mistakes one machine makes."""
+    software = differing_values([(rank, post["software"]) for rank, post in enumerate(posts)])
+    if software:
+        return (f"the machines run different software ({', '.join(software)}): install the same PyTorch and "
+                "train_gpt2.py on every machine")
+    flags = differing_values([(rank, post["flags"]) for rank, post in enumerate(posts) if post["flags"] is not None],
+                             "--", MACHINE_LOCAL_FLAGS)
+    if flags:
+        return (f"the processes were started with different flags ({', '.join(flags)}): start every machine with the "
+                "same command")
     for rank, post in enumerate(posts):
         if post["problem"] is not None:
             return post["problem"] if rank == 0 else f"{post['problem']} (on rank {rank})"
@@ -782,10 +801,10 @@ def exit_on_user_error(error: ConfigError, launch: Launch, leave_process_group: 
 
 def start_together(launch: Launch, problem: ConfigError | None, cfg: TrainConfig | None) -> dist.Store | None:
     """Stop if this process or, under torchrun, any other found a mistake before the process group exists (cfg is
-    None where the flags did not parse). Every process posts its problem and flags to torchrun's key-value store,
-    rank 0 posts the verdict, and all stop with it or go on: a mistake only one machine makes (a command typed
-    differently there, fewer GPUs) used to stop that machine without a word while the others waited 20 minutes for
-    it in init_process_group. Returns the store, to make the process group from."""
+    None where the flags did not parse). Every process posts its problem, flags and software versions to torchrun's
+    key-value store, rank 0 posts the verdict, and all stop with it or go on: a mistake only one machine makes (a
+    command typed differently there, fewer GPUs) used to stop that machine without a word while the others waited
+    20 minutes for it in init_process_group. Returns the store, to make the process group from."""
     if not launch.torchrun:
         if problem:
             exit_on_user_error(problem, launch)
@@ -793,7 +812,7 @@ def start_together(launch: Launch, problem: ConfigError | None, cfg: TrainConfig
     store, _, _ = next(dist.rendezvous(f"env://?rank={launch.rank}&world_size={launch.world_size}",
                                        timeout=DIST_TIMEOUT))
     post = {"problem": None if problem is None else str(problem),
-            "flags": None if cfg is None else dataclasses.asdict(cfg)}
+            "flags": None if cfg is None else dataclasses.asdict(cfg), "software": software_versions()}
     store.set(f"startup/{launch.rank}", json.dumps(post))
     if launch.rank == 0:
         store.set("startup/verdict", startup_verdict([json.loads(store.get(f"startup/{rank}"))
@@ -880,7 +899,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
 
 
-def configure_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool, sharded: bool = False) -> torch.optim.Optimizer:
+def configure_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool,
+                        sharded: bool = False) -> torch.optim.Optimizer:
     """AdamW with weight decay on matrices and embeddings (2-D) only, never on biases and LayerNorms. sharded: ZeRO
     stage 1 over the process group; its state_dict (after consolidate_state_dict) is the plain optimizer's."""
     params = [p for p in model.parameters() if p.requires_grad]

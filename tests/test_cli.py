@@ -286,7 +286,8 @@ def test_more_gpus_asked_for_than_the_machine_has(device, launch, message, monke
         monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
         for rank in range(1, 8):  # they found the same problem on this machine
             store.set(f"startup/{rank}", json.dumps({"problem": message.removeprefix("error: "),
-                                                     "flags": dataclasses.asdict(cfg)}))
+                                                     "flags": dataclasses.asdict(cfg),
+                                                     "software": t.software_versions()}))
     with pytest.raises(SystemExit) as exited:
         t.main(cfg, launch)  # stops before any process group
     assert exited.value.code == 2

@@ -115,14 +115,20 @@ def test_a_mistake_made_on_another_machine_stops_both_with_one_line_from_rank_0(
     assert "error: " not in stderr_1 and "step " not in stdout_0 + stdout_1
 
 
-def test_the_startup_verdict_names_differing_flags_first_then_the_first_problem():
-    flags = dataclasses.asdict(train_gpt2.TrainConfig())
+def test_the_startup_verdict_names_differing_software_and_flags_first_then_the_first_problem():
+    flags, software = dataclasses.asdict(train_gpt2.TrainConfig()), train_gpt2.software_versions()
     other = {**flags, "max_steps": 10, "seed": 1, "data_dir": "/mnt/other/shards"}  # a path may differ by machine
-    ok, failed = {"problem": None, "flags": flags}, {"problem": "no GPU", "flags": flags}
-    unparsed = {"problem": "unrecognized arguments: --x", "flags": None}
+    ok, failed = ({"problem": None, "flags": flags, "software": software},
+                  {"problem": "no GPU", "flags": flags, "software": software})
+    unparsed = {"problem": "unrecognized arguments: --x", "flags": None, "software": software}
     assert train_gpt2.startup_verdict([ok, ok, ok]) == ""
-    assert train_gpt2.startup_verdict([ok, {"problem": None, "flags": {**flags, "data_dir": "/x"}}]) == ""
-    assert train_gpt2.startup_verdict([ok, failed, {"problem": None, "flags": other}]) == (
+    assert train_gpt2.startup_verdict([ok, {**ok, "flags": {**flags, "data_dir": "/x"}}]) == ""
+    older = {**failed, "software": {**software, "train_gpt2.py sha256": "0123456789ab", "torch": "2.11.0"}}
+    assert train_gpt2.startup_verdict([ok, unparsed, older]) == (
+        f"the machines run different software (torch {software['torch']} on rank 0 but 2.11.0 on rank 2, "
+        f"train_gpt2.py sha256 {software['train_gpt2.py sha256']} on rank 0 but 0123456789ab on rank 2): install the "
+        "same PyTorch and train_gpt2.py on every machine")
+    assert train_gpt2.startup_verdict([ok, failed, {**ok, "flags": other}]) == (
         "the processes were started with different flags (--max_steps 19073 on rank 0 but 10 on rank 2, --seed 1337 "
         "on rank 0 but 1 on rank 2): start every machine with the same command")
     assert train_gpt2.startup_verdict([ok, unparsed, failed]) == "unrecognized arguments: --x (on rank 1)"
