@@ -113,37 +113,14 @@ def test_resume_is_exact_under_two_processes_and_after_torchrun_restarts_a_crash
                         torch.load(tmp_path / "straight" / "final.pt"))
 
 
-@pytest.fixture(scope="module")
-def eight_steps_in_one_process(tmp_path_factory):
-    """The losses of an uninterrupted 8-step run; 2 processes log the same ones bitwise (see below)."""
-    log_dir = tmp_path_factory.mktemp("straight")
-    result = run_script(EIGHT_STEPS + ["--log_dir", str(log_dir)], env=ONE_THREAD)
-    assert result.returncode == 0, result.stderr
-    return logged(log_dir)
-
-
-@pytest.mark.parametrize("first, second", [(2, 1), (1, 2)])
-def test_resume_at_another_world_size_trains_on_the_same_tokens(tmp_path, first, second, eight_steps_in_one_process):
-    """1 process accumulating 2 micro-batches and 2 processes of 1 compute bitwise the same step, so equal
-    losses after the switch mean the resumed run read exactly the uninterrupted run's tokens."""
-    def launch(nproc, log_dir, *extra):
-        args = EIGHT_STEPS + ["--log_dir", str(log_dir), *extra]
-        result = (torchrun(2, ["train_gpt2.py"] + args) if nproc == 2
-                  else run_script(args, env=ONE_THREAD))
-        assert result.returncode == 0, result.stderr
-
-    launch(first, tmp_path / "switched", "--stop_after_steps", "3")
-    launch(second, tmp_path / "switched", "--resume", "auto")
-    assert logged(tmp_path / "switched") == eight_steps_in_one_process
-    checkpoint = torch.load(tmp_path / "switched" / "ckpt_8.pt")
-    assert checkpoint["windows_consumed"] == 8 * 8  # 8 steps of 256 tokens = 8 windows of 32
-
-
-def test_a_sharded_optimizer_trains_exactly_like_the_plain_one_and_their_checkpoints_mix(tmp_path,
-                                                                                       eight_steps_in_one_process):
-    """--shard_optimizer (ZeRO stage 1): each of 2 processes keeps AdamW's state for and updates its share of the
-    weights. Each weight's update is the plain optimizer's arithmetic, so the losses are bitwise those of one plain
-    process; the checkpoint holds the whole state, so a sharded run goes on in a plain one and back."""
+def test_resume_at_another_world_size_and_with_the_optimizer_sharded_trains_on_the_same_tokens(tmp_path):
+    """2 processes with AdamW sharded (--shard_optimizer, ZeRO stage 1: each keeps the state of and updates its
+    share of the weights) stop after 3 steps, 1 plain process goes on for 3, 2 sharded ones finish. 1 process
+    accumulating 2 micro-batches and 2 processes of 1 compute bitwise the same step, and each weight's sharded update
+    is the plain optimizer's arithmetic, so equal losses mean each resumed run read exactly the uninterrupted run's
+    tokens, and that the checkpoints carried the whole AdamW state from sharded to plain and back."""
+    straight = run_script(EIGHT_STEPS + ["--log_dir", str(tmp_path / "straight")], env=ONE_THREAD)
+    assert straight.returncode == 0, straight.stderr
     log_dir = tmp_path / "log"
     args = EIGHT_STEPS + ["--log_dir", str(log_dir)]
     sharded = torchrun(2, ["train_gpt2.py"] + args + ["--shard_optimizer", "--stop_after_steps", "3"])
@@ -155,7 +132,8 @@ def test_a_sharded_optimizer_trains_exactly_like_the_plain_one_and_their_checkpo
     assert plain.returncode == 0, plain.stderr
     sharded_again = torchrun(2, ["train_gpt2.py"] + args + ["--shard_optimizer", "--resume", "auto"])
     assert sharded_again.returncode == 0, sharded_again.stderr
-    assert logged(log_dir) == eight_steps_in_one_process
+    assert logged(log_dir) == logged(tmp_path / "straight")
+    assert torch.load(log_dir / "ckpt_8.pt")["windows_consumed"] == 8 * 8  # 8 steps of 256 tokens = 8 windows of 32
 
 
 def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):
