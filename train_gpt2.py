@@ -772,6 +772,15 @@ def differing_values(rows: list[tuple[int, dict]], prefix: str = "", skip: tuple
     return differing
 
 
+def first_problem(problems: list[str | None]) -> str | None:
+    """problems[r]: rank r's problem, or None. The lowest rank's, naming that rank unless it is rank 0 (who says it)."""
+    failed = [(rank, problem) for rank, problem in enumerate(problems) if problem is not None]
+    if not failed:
+        return None
+    rank, problem = failed[0]
+    return problem if rank == 0 else f"{problem} (on rank {rank})"
+
+
 def startup_verdict(posts: list[dict]) -> str:
     """What stops the job before it starts, given each rank's {"problem": str | None, "flags": dict | None,
     "software": software_versions()} (flags None where they did not parse); empty if nothing does. Differing
@@ -785,10 +794,7 @@ def startup_verdict(posts: list[dict]) -> str:
     if flags:
         return (f"the processes were started with different flags ({', '.join(flags)}): start every machine with the "
                 "same command")
-    for rank, post in enumerate(posts):
-        if post["problem"] is not None:
-            return post["problem"] if rank == 0 else f"{post['problem']} (on rank {rank})"
-    return ""
+    return first_problem([post["problem"] for post in posts]) or ""
 
 
 def exit_on_user_error(error: ConfigError, launch: Launch, leave_process_group: bool = False) -> typing.NoReturn:
@@ -851,10 +857,9 @@ def on_every_rank(work, launch: Launch):
         result = work()
     except ConfigError as error:
         message = str(error)
-    failed = [(rank, m) for rank, m in enumerate(gather_from_ranks(message, launch)) if m is not None]
-    if failed:
-        rank, message = failed[0]
-        raise ConfigError(message if rank == 0 else f"{message} (on rank {rank})")
+    problem = first_problem(gather_from_ranks(message, launch))
+    if problem is not None:
+        raise ConfigError(problem)
     return result
 
 
