@@ -1189,8 +1189,10 @@ def load_checkpoint(path: str) -> dict:
                 raise ConfigError(f"checkpoint {path} is corrupt (its sha256 differs from {checksum_path}): "
                                   "resume from an older checkpoint")
     try:
-        # on the CPU first: loading straight to the GPU can run out of memory next to the model
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        # On the CPU first: loading straight to the GPU can run out of memory next to the model. Mapped, not read:
+        # the tensors are the file's pages in the kernel's page cache, one copy for all the processes on a machine
+        # (read, 8 processes of GPT-2 XL would each hold its own 19 GB copy in private memory at once)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # a truncated or foreign file fails in many ways; all mean the same to the user
         raise ConfigError(f"cannot read checkpoint {path} ({str(error).splitlines()[0]}): "
                           "resume from an older checkpoint") from None
