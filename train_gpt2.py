@@ -704,6 +704,11 @@ def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
 # pause; a crashed peer is detected in about a second anyway.
 DIST_TIMEOUT = datetime.timedelta(minutes=20)
 
+# How long rank 0 waits at startup for every process to report. torchrun starts the processes of all machines
+# together, after its own rendezvous, so they report within the seconds that importing PyTorch takes; one that has
+# not after minutes crashed before it could (a package missing on its machine), and nothing else would tell rank 0.
+STARTUP_TIMEOUT = datetime.timedelta(minutes=5)
+
 
 @dataclass
 class Launch:
@@ -797,6 +802,33 @@ def startup_verdict(posts: list[dict]) -> str:
     return first_problem([post["problem"] for post in posts]) or ""
 
 
+def rank_ranges(ranks: list[int]) -> str:
+    """[1] -> "rank 1"; [3, 8, 9, 10] -> "ranks 3, 8-10"."""
+    runs = []
+    for rank in ranks:
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    listed = ", ".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)
+    return f"rank{'s' if len(ranks) > 1 else ''} {listed}"
+
+
+def startup_posts(store: dist.Store, world_size: int) -> list[dict] | str:
+    """Rank 0: every rank's startup post, or the problem if some never came within STARTUP_TIMEOUT. Polled:
+    store.wait would print the TCPStore's own warnings on a timeout."""
+    keys = [f"startup/{rank}" for rank in range(world_size)]
+    deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+            they, hang, their = ("it", "hangs", "its") if len(missing) == 1 else ("they", "hang", "their")
+            return (f"{rank_ranges(missing)} did not come up within {STARTUP_TIMEOUT.total_seconds():.0f} s ({they} "
+                    f"crashed or {hang} before training): torchrun's output on {their} machine says why")
+        time.sleep(0.1)
+    return [json.loads(store.get(key)) for key in keys]
+
+
 def exit_on_user_error(error: ConfigError, launch: Launch, leave_process_group: bool = False) -> typing.NoReturn:
     if launch.rank == 0:  # said first: once a peer has exited, torchrun ends this process within a second
         print(f"error: {error}", file=sys.stderr, flush=True)
@@ -809,8 +841,9 @@ def start_together(launch: Launch, problem: ConfigError | None, cfg: TrainConfig
     """Stop if this process or, under torchrun, any other found a mistake before the process group exists (cfg is
     None where the flags did not parse). Every process posts its problem, flags and software versions to torchrun's
     key-value store, rank 0 posts the verdict, and all stop with it or go on: a mistake only one machine makes (a
-    command typed differently there, fewer GPUs) used to stop that machine without a word while the others waited
-    20 minutes for it in init_process_group. Returns the store, to make the process group from."""
+    command typed differently there, fewer GPUs, a crash before reporting) used to stop that machine without a word
+    while the others waited 20 minutes for it in init_process_group. Returns the store, to make the process group
+    from."""
     if not launch.torchrun:
         if problem:
             exit_on_user_error(problem, launch)
@@ -821,8 +854,8 @@ def start_together(launch: Launch, problem: ConfigError | None, cfg: TrainConfig
             "flags": None if cfg is None else dataclasses.asdict(cfg), "software": software_versions()}
     store.set(f"startup/{launch.rank}", json.dumps(post))
     if launch.rank == 0:
-        store.set("startup/verdict", startup_verdict([json.loads(store.get(f"startup/{rank}"))
-                                                      for rank in range(launch.world_size)]))
+        posts = startup_posts(store, launch.world_size)
+        store.set("startup/verdict", posts if isinstance(posts, str) else startup_verdict(posts))
     verdict = store.get("startup/verdict").decode()
     if verdict:
         exit_on_user_error(ConfigError(verdict), launch)

@@ -13,9 +13,12 @@
     ddp_entry.py disk_full NAME FLAGS...       train, with rank 0's disk full when it writes checkpoint NAME
     ddp_entry.py own_log_dir FLAGS...          train with --log_dir/rank<R> on each rank, as machines that
                                                share no storage would see it
+    ddp_entry.py dies_at_start RANK SECONDS FLAGS...  train, with rank RANK crashing before it reports at startup
+                                               (as an ImportError would) and the others waiting SECONDS for it
 """
 
 import contextlib
+import datetime
 import os
 import sys
 from pathlib import Path
@@ -113,6 +116,13 @@ def own_log_dir(flags):
     train_gpt2.main(cfg)
 
 
+def dies_at_start(rank, seconds, flags):
+    if os.environ["RANK"] == rank:
+        raise ImportError("No module named 'numpy' (injected: a package missing on this rank's machine)")
+    train_gpt2.STARTUP_TIMEOUT = datetime.timedelta(seconds=seconds)
+    train_gpt2.main(train_gpt2.parse_args(flags))
+
+
 def grad_sync(out):
     launch = train_gpt2.launch_from_env(os.environ)
     train_gpt2.init_distributed(launch, "cpu")
@@ -152,5 +162,7 @@ if __name__ == "__main__":
         disk_full(args[0], args[1:])
     elif command == "own_log_dir":
         own_log_dir(args)
+    elif command == "dies_at_start":
+        dies_at_start(args[0], int(args[1]), args[2:])
     else:
         grad_sync(args[0])

@@ -115,6 +115,27 @@ def test_a_mistake_made_on_another_machine_stops_both_with_one_line_from_rank_0(
     assert "error: " not in stderr_1 and "step " not in stdout_0 + stdout_1
 
 
+def test_a_process_that_crashes_before_reporting_at_startup_stops_the_others_with_one_line(tmp_path):
+    """Node 1's process dies at import (a package missing on that machine): before, node 0 waited 20 minutes in
+    init_process_group, since its torchrun agent is not told, then failed with a store traceback. Now rank 0 waits
+    STARTUP_TIMEOUT (here 3 s) for every process to report, then says which did not."""
+    started = time.monotonic()
+    flags = TINY_ARGS + ["--max_steps", "3", "--log_dir", str(tmp_path / "log")]
+    nodes = on_two_nodes([ENTRY, "dies_at_start", "1", "3"] + flags)
+    assert time.monotonic() - started < 60
+    (_, stdout_0, stderr_0), (_, _, stderr_1) = nodes
+    message = ("error: rank 1 did not come up within 3 s (it crashed or hangs before training): torchrun's output on "
+               "its machine says why")
+    assert stderr_0.splitlines().count(message) == 1, stderr_0
+    assert "exitcode  : 2" in stderr_0 and "exitcode  : 1" in stderr_1  # rank 0 stopped on its own
+    assert "No module named 'numpy'" in stderr_1 and "step " not in stdout_0
+
+
+def test_rank_ranges():
+    assert train_gpt2.rank_ranges([1]) == "rank 1"
+    assert train_gpt2.rank_ranges([3, 8, 9, 10, 12]) == "ranks 3, 8-10, 12"
+
+
 def test_the_startup_verdict_names_differing_software_and_flags_first_then_the_first_problem():
     flags, software = dataclasses.asdict(train_gpt2.TrainConfig()), train_gpt2.software_versions()
     other = {**flags, "max_steps": 10, "seed": 1, "data_dir": "/mnt/other/shards"}  # a path may differ by machine
