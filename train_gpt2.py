@@ -837,6 +837,25 @@ def exit_on_user_error(error: ConfigError, launch: Launch, leave_process_group: 
     sys.exit(2)
 
 
+# Ranks that run out of memory together (the same shapes at the same step) do so within a fraction of a second of
+# each other under DDP, which keeps them in step: each waits this long for the others to say so
+OUT_OF_MEMORY_GATHER_SECONDS = 2.0
+
+
+def exit_out_of_memory(message: str, launch: Launch, store: dist.Store | None) -> typing.NoReturn:
+    """Stop a rank that ran out of memory, said once for all that did. The others may wait inside a collective,
+    where nothing reaches them (torchrun ends them once this one exits), so this cannot gather as on_every_rank
+    does: each rank that ran out posts to start_together's store, and the lowest of them says it."""
+    ranks = [launch.rank]
+    if store is not None:
+        store.set(f"out_of_memory/{launch.rank}", "")
+        time.sleep(OUT_OF_MEMORY_GATHER_SECONDS)
+        ranks = [rank for rank in range(launch.world_size) if store.check([f"out_of_memory/{rank}"])]
+    if ranks[0] == launch.rank:
+        print(f"error: {message}{f' (on {rank_ranges(ranks)})' if ranks != [0] else ''}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def start_together(launch: Launch, problem: ConfigError | None, cfg: TrainConfig | None) -> dist.Store | None:
     """Stop if this process or, under torchrun, any other found a mistake before the process group exists (cfg is
     None where the flags did not parse). Every process posts its problem, flags and software versions to torchrun's
@@ -1945,10 +1964,7 @@ def main(cfg: TrainConfig, launch: Launch | None = None) -> TrainResult | dict |
     except ConfigError as error:  # raised on every rank together (on_every_rank, or the same diverged step)
         exit_on_user_error(error, launch, leave_process_group=launch.torchrun)
     except torch.OutOfMemoryError:
-        # the other ranks wait inside a collective, where nothing can reach them: each rank that ran out says so
-        on_rank = f" (on rank {launch.rank})" if launch.rank else ""
-        print(f"error: {out_of_memory_message(cfg, device, launch.world_size)}{on_rank}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        exit_out_of_memory(out_of_memory_message(cfg, device, launch.world_size), launch, store)
     if launch.torchrun:
         # every rank gets here together; not after a crash, where a peer may be gone and this can block
         dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """Entry points that the DDP tests run under torchrun; each reads torchrun's variables like train_gpt2.py does.
 
     ddp_entry.py train OUT FLAGS...            train, then rank 0 saves the final weights to OUT
-    ddp_entry.py fail RANK STEP FLAGS...       train, with rank RANK raising at step STEP
+    ddp_entry.py fail RANK STEP FLAGS...       train, with rank RANK (or all) raising at step STEP
     ddp_entry.py oom RANK STEP FLAGS...        the same, with the error CUDA raises when memory runs out
     ddp_entry.py crash_once OUT RANK STEP FLAGS...  train as `train` does, with rank RANK raising at step STEP
                                                in torchrun's first attempt only (a restart then goes through)
@@ -42,7 +42,7 @@ def make_rank_fail(rank, step, error=RuntimeError):
     plain_lr_at = train_gpt2.lr_at
 
     def lr_at_that_fails(current_step, cfg):
-        if current_step == step and os.environ["RANK"] == rank:
+        if current_step == step and rank in ("all", os.environ["RANK"]):
             raise error(f"injected failure on rank {rank} at step {step}")
         return plain_lr_at(current_step, cfg)
 
