@@ -1,8 +1,8 @@
 """Entry points that the DDP tests run under torchrun; each reads torchrun's variables like train_gpt2.py does.
 
     ddp_entry.py train OUT FLAGS...            train, then rank 0 saves the final weights to OUT
-    ddp_entry.py fail RANK STEP FLAGS...       train, with rank RANK (or all) raising at step STEP
-    ddp_entry.py oom RANK STEP FLAGS...        the same, with the error CUDA raises when memory runs out
+    ddp_entry.py fail RANKS STEP FLAGS...      train, with ranks RANKS (1 or 1,2) raising at step STEP
+    ddp_entry.py oom RANKS STEP FLAGS...       the same, with the error CUDA raises when memory runs out
     ddp_entry.py crash_once OUT RANK STEP FLAGS...  train as `train` does, with rank RANK raising at step STEP
                                                in torchrun's first attempt only (a restart then goes through)
     ddp_entry.py bad_data RANK FLAGS...        train, with only rank RANK unable to read its data
@@ -42,7 +42,7 @@ def make_rank_fail(rank, step, error=RuntimeError):
     plain_lr_at = train_gpt2.lr_at
 
     def lr_at_that_fails(current_step, cfg):
-        if current_step == step and rank in ("all", os.environ["RANK"]):
+        if current_step == step and os.environ["RANK"] in rank.split(","):
             raise error(f"injected failure on rank {rank} at step {step}")
         return plain_lr_at(current_step, cfg)
 
@@ -139,6 +139,10 @@ def grad_sync(out):
         gradients.append({n: p.grad for n, p in model.module.named_parameters()})
     if launch.rank == 0:
         torch.save(gradients, out)
+    # DDP's reducer holds the process group. Freed after destroy_process_group, it would destroy the group itself,
+    # which joins gloo's threads while holding the GIL that one of them may be waiting for (PyTorch #56297): this
+    # launch once hung so. train_gpt2.main frees its DDP model before, when train() returns.
+    del model
     dist.destroy_process_group()
 
 

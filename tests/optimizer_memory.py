@@ -41,6 +41,7 @@ def main():
     print(f"rank {launch.rank}, AdamW {'sharded' if sharded else 'plain'}: state for {with_state:,} of "
           f"{train_gpt2.count_parameters(raw_model):,} parameters, peak resident memory {peak_gib:.2f} GiB",
           flush=True)
+    del model  # its reducer holds the group: freed after it, gloo can deadlock (see ddp_entry.py's grad_sync)
     torch.distributed.destroy_process_group()
 
 

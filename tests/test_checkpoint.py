@@ -87,7 +87,8 @@ def test_a_full_disk_on_rank_0_stops_every_rank_with_one_line(tmp_path):
     assert sorted(p.name for p in log_dir.glob("ckpt_*")) == ["ckpt_2.pt", "ckpt_2.pt.sha256"]
 
 
-def test_resume_is_exact_under_two_processes_and_after_torchrun_restarts_a_crashed_job(tmp_path):
+def test_resume_is_exact_under_two_processes_after_torchrun_restarts_a_crashed_job(tmp_path):
+    """(Two processes stopped by --stop_after_steps and resumed: the sharded-optimizer test below.)"""
     def two_processes(log_dir, *extra, entry=("train",), torchrun_flags=(), env=None):
         command, *entry_args = entry
         result = torchrun(2, [*torchrun_flags, ENTRY, command, str(log_dir / "final.pt"), *entry_args] + EIGHT_STEPS +
@@ -96,10 +97,6 @@ def test_resume_is_exact_under_two_processes_and_after_torchrun_restarts_a_crash
         return result
 
     two_processes(tmp_path / "straight")
-    two_processes(tmp_path / "resumed", "--stop_after_steps", "4")
-    two_processes(tmp_path / "resumed", "--resume", "auto")
-    assert logged(tmp_path / "resumed") == logged(tmp_path / "straight")
-    assert_same_weights(torch.load(tmp_path / "resumed" / "final.pt"), torch.load(tmp_path / "straight" / "final.pt"))
     # rank 1 crashes at step 5; torchrun restarts both ranks, which go on from ckpt_4.pt as if nothing happened.
     # Without the variable, restarted ranks can read the last attempt's addresses from torchrun's shared store and
     # fail to connect (PyTorch #135712, #167288): 3 of 4 tries here failed without it, 5 of 5 passed with it.
