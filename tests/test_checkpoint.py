@@ -279,10 +279,8 @@ def test_a_signal_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path, sign
     assert stop_line.endswith(f"ckpt_{stopped_after + 1}.pt written: to continue, run the same command with "
                               "--resume auto")
     assert [p.name for p in tmp_path.glob("ckpt_*.pt")] == [f"ckpt_{stopped_after + 1}.pt"]
-    resumed = run_script(args + ["--resume", "auto", "--stop_after_steps", "1"])
-    assert resumed.returncode == 0, resumed.stderr
-    assert f"resumed from step {stopped_after + 1}" in resumed.stdout
-    assert f"step {stopped_after + 1:5d}/100000 | loss" in resumed.stdout
+    # whole (its checksum matches) and at that step; resuming from such a checkpoint: the tests above
+    assert t.load_checkpoint(str(tmp_path / f"ckpt_{stopped_after + 1}.pt"))["step"] == stopped_after + 1
 
 
 def test_under_nohup_a_closed_session_does_not_stop_the_run(tmp_path):
