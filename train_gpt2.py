@@ -814,19 +814,20 @@ def rank_ranges(ranks: list[int]) -> str:
     return f"rank{'s' if len(ranks) > 1 else ''} {listed}"
 
 
-def startup_posts(store: dist.Store, world_size: int) -> list[dict] | str:
-    """Rank 0: every rank's startup post, or the problem if some never came within STARTUP_TIMEOUT. Polled:
-    store.wait would print the TCPStore's own warnings on a timeout."""
-    keys = [f"startup/{rank}" for rank in range(world_size)]
-    deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
+def wait_for_keys(store: dist.Store, keys: list[str], timeout: datetime.timedelta) -> bool:
+    """Whether every key was set within timeout. Polled: store.wait prints the TCPStore's own warnings on a timeout."""
+    deadline = time.monotonic() + timeout.total_seconds()
     while not store.check(keys):
         if time.monotonic() > deadline:
-            missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
-            they, hang, their = ("it", "hangs", "its") if len(missing) == 1 else ("they", "hang", "their")
-            return (f"{rank_ranges(missing)} did not come up within {STARTUP_TIMEOUT.total_seconds():.0f} s ({they} "
-                    f"crashed or {hang} before training): torchrun's output on {their} machine says why")
+            return False
         time.sleep(0.1)
-    return [json.loads(store.get(key)) for key in keys]
+    return True
+
+
+def did_not_come_up(missing: list[int], waited: datetime.timedelta) -> str:
+    they, hang, their = ("it", "hangs", "its") if len(missing) == 1 else ("they", "hang", "their")
+    return (f"{rank_ranges(missing)} did not come up within {waited.total_seconds():.0f} s ({they} crashed or {hang} "
+            f"before training): torchrun's output on {their} machine says why")
 
 
 def exit_on_user_error(error: ConfigError, launch: Launch, leave_process_group: bool = False) -> typing.NoReturn:
@@ -867,18 +868,37 @@ def start_together(launch: Launch, problem: ConfigError | None, cfg: TrainConfig
         if problem:
             exit_on_user_error(problem, launch)
         return None
-    store, _, _ = next(dist.rendezvous(f"env://?rank={launch.rank}&world_size={launch.world_size}",
-                                       timeout=DIST_TIMEOUT))
     post = {"problem": None if problem is None else str(problem),
             "flags": None if cfg is None else dataclasses.asdict(cfg), "software": software_versions()}
-    store.set(f"startup/{launch.rank}", json.dumps(post))
-    if launch.rank == 0:
-        posts = startup_posts(store, launch.world_size)
-        store.set("startup/verdict", posts if isinstance(posts, str) else startup_verdict(posts))
-    verdict = store.get("startup/verdict").decode()
+    try:  # the store is served by torchrun on rank 0's machine
+        store, _, _ = next(dist.rendezvous(f"env://?rank={launch.rank}&world_size={launch.world_size}",
+                                           timeout=STARTUP_TIMEOUT))
+        verdict = exchange_startup_posts(store, launch, post)
+    except dist.DistError as error:  # rank 0 never came up, or its machine's torchrun ended with it
+        if launch.local_rank == 0:  # a line on each machine; rank 0's own torchrun reports the crash there
+            print(f"error: rank 0 did not come up, or its machine's torchrun ended ({str(error).splitlines()[0]}): "
+                  "torchrun's output on that machine says why", file=sys.stderr, flush=True)
+        sys.exit(2)
     if verdict:
         exit_on_user_error(ConfigError(verdict), launch)
+    store.set_timeout(DIST_TIMEOUT)  # from here on it serves the process group, whose waits may be long
     return store
+
+
+def exchange_startup_posts(store: dist.Store, launch: Launch, post: dict) -> str:
+    """Post this process's startup report; rank 0 posts the verdict on all of them. Returns the verdict."""
+    store.set(f"startup/{launch.rank}", json.dumps(post))
+    keys = [f"startup/{rank}" for rank in range(launch.world_size)]
+    if launch.rank == 0:
+        if wait_for_keys(store, keys, STARTUP_TIMEOUT):
+            verdict = startup_verdict([json.loads(store.get(key)) for key in keys])
+        else:
+            verdict = did_not_come_up([rank for rank, key in enumerate(keys) if not store.check([key])],
+                                      STARTUP_TIMEOUT)
+        store.set("startup/verdict", verdict)
+    elif not wait_for_keys(store, ["startup/verdict"], 2 * STARTUP_TIMEOUT):  # rank 0 takes at most one timeout
+        raise dist.DistStoreError(f"no word from it in {2 * STARTUP_TIMEOUT.total_seconds():.0f} s")
+    return store.get("startup/verdict").decode()
 
 
 def init_distributed(launch: Launch, device: str, store: dist.Store | None = None) -> None:
