@@ -1,6 +1,7 @@
 """DDP for real: torchrun starts 2 processes on the gloo backend, as a user would on a CPU machine."""
 
 import dataclasses
+import datetime
 import json
 import os
 import socket
@@ -138,6 +139,26 @@ def test_a_process_that_crashes_before_reporting_at_startup_stops_the_others_wit
         assert said[0].startswith("error: rank 0 did not come up, or its machine's torchrun ended (")
         assert said[0].endswith("): torchrun's output on that machine says why")
     assert "step " not in stdout_alive + stdout_dead
+
+
+def test_rank_0_that_never_posts_a_verdict_stops_the_others_with_one_line_a_machine(monkeypatch, capsys):
+    """Rank 0's machine is up (its torchrun serves the store) but rank 0 never reports: hung before training."""
+    store = train_gpt2.dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # torchrun's, on node 0
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(store.port))
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setattr(train_gpt2, "STARTUP_TIMEOUT", datetime.timedelta(seconds=1))
+    cfg = train_gpt2.parse_args(TINY_ARGS)
+    for rank, local_rank in ((2, 0), (3, 1)):  # the two processes of node 1
+        launch = train_gpt2.Launch(rank=rank, local_rank=local_rank, world_size=4, torchrun=True, local_world_size=2)
+        started = time.monotonic()
+        with pytest.raises(SystemExit) as exited:
+            train_gpt2.start_together(launch, None, cfg)
+        assert exited.value.code == 2 and 2 <= time.monotonic() - started < 5
+        assert capsys.readouterr().err == ("error: rank 0 did not come up, or its machine's torchrun ended (no word "
+                                           "from it in 2 s): torchrun's output on that machine says why\n"
+                                           if local_rank == 0 else "")
+    assert json.loads(store.get("startup/3"))["flags"] == dataclasses.asdict(cfg)
 
 
 def test_rank_ranges():
