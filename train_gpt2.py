@@ -704,9 +704,10 @@ def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
 # pause; a crashed peer is detected in about a second anyway.
 DIST_TIMEOUT = datetime.timedelta(minutes=20)
 
-# How long rank 0 waits at startup for every process to report. torchrun starts the processes of all machines
-# together, after its own rendezvous, so they report within the seconds that importing PyTorch takes; one that has
-# not after minutes crashed before it could (a package missing on its machine), and nothing else would tell rank 0.
+# How long rank 0 waits at startup for every process to report (the others give rank 0 twice this). torchrun starts
+# the processes of all machines together, after its own rendezvous, so they report within the seconds that importing
+# PyTorch takes; one that has not after minutes crashed before it could (a package missing on its machine), and
+# nothing else would tell the others.
 STARTUP_TIMEOUT = datetime.timedelta(minutes=5)
 
 
@@ -857,6 +858,22 @@ def exit_out_of_memory(message: str, launch: Launch, store: dist.Store | None) -
     sys.exit(2)
 
 
+def exchange_startup_posts(store: dist.Store, launch: Launch, post: dict) -> str:
+    """Post this process's startup report; rank 0 posts the verdict on all of them. Returns the verdict."""
+    store.set(f"startup/{launch.rank}", json.dumps(post))
+    keys = [f"startup/{rank}" for rank in range(launch.world_size)]
+    if launch.rank == 0:
+        if wait_for_keys(store, keys, STARTUP_TIMEOUT):
+            verdict = startup_verdict([json.loads(store.get(key)) for key in keys])
+        else:
+            verdict = did_not_come_up([rank for rank, key in enumerate(keys) if not store.check([key])],
+                                      STARTUP_TIMEOUT)
+        store.set("startup/verdict", verdict)
+    elif not wait_for_keys(store, ["startup/verdict"], 2 * STARTUP_TIMEOUT):  # rank 0 takes at most one timeout
+        raise dist.DistStoreError(f"no word from it in {2 * STARTUP_TIMEOUT.total_seconds():.0f} s")
+    return store.get("startup/verdict").decode()
+
+
 def start_together(launch: Launch, problem: ConfigError | None, cfg: TrainConfig | None) -> dist.Store | None:
     """Stop if this process or, under torchrun, any other found a mistake before the process group exists (cfg is
     None where the flags did not parse). Every process posts its problem, flags and software versions to torchrun's
@@ -883,22 +900,6 @@ def start_together(launch: Launch, problem: ConfigError | None, cfg: TrainConfig
         exit_on_user_error(ConfigError(verdict), launch)
     store.set_timeout(DIST_TIMEOUT)  # from here on it serves the process group, whose waits may be long
     return store
-
-
-def exchange_startup_posts(store: dist.Store, launch: Launch, post: dict) -> str:
-    """Post this process's startup report; rank 0 posts the verdict on all of them. Returns the verdict."""
-    store.set(f"startup/{launch.rank}", json.dumps(post))
-    keys = [f"startup/{rank}" for rank in range(launch.world_size)]
-    if launch.rank == 0:
-        if wait_for_keys(store, keys, STARTUP_TIMEOUT):
-            verdict = startup_verdict([json.loads(store.get(key)) for key in keys])
-        else:
-            verdict = did_not_come_up([rank for rank, key in enumerate(keys) if not store.check([key])],
-                                      STARTUP_TIMEOUT)
-        store.set("startup/verdict", verdict)
-    elif not wait_for_keys(store, ["startup/verdict"], 2 * STARTUP_TIMEOUT):  # rank 0 takes at most one timeout
-        raise dist.DistStoreError(f"no word from it in {2 * STARTUP_TIMEOUT.total_seconds():.0f} s")
-    return store.get("startup/verdict").decode()
 
 
 def init_distributed(launch: Launch, device: str, store: dist.Store | None = None) -> None:
