@@ -40,7 +40,7 @@ def read_back(path: str) -> None:
     checkpoint = train_gpt2.load_checkpoint(path)
     tensors = [*checkpoint["model"].values()] + [
         value for state in checkpoint["optimizer"]["state"].values() for value in state.values()]
-    total = sum(float(tensor.double().sum()) if tensor.numel() == 1 else float(tensor.sum()) for tensor in tensors)
+    total = sum(float(tensor.sum()) for tensor in tensors)
     after = resident_gib()
     print(f"read {os.path.getsize(path) / 2**30:.2f} GiB ({len(tensors)} tensors, sum {total:.4g}): private memory "
           f"{before['RssAnon']:.2f} -> {after['RssAnon']:.2f} GiB, mapped file pages {before['RssFile']:.2f} -> "
