@@ -11,6 +11,7 @@ import torch
 
 import train_gpt2 as t
 from conftest import ROOT, SHAKESPEARE, TINY_ARGS, run_script
+from resume_memory import resident_gib
 from test_ddp import ENTRY, ONE_THREAD, assert_every_rank_stopped_with_one_line, torchrun
 
 EIGHT_STEPS = TINY_ARGS + ["--max_steps", "8", "--eval_every", "4", "--eval_steps", "1"]
@@ -194,11 +195,6 @@ def test_truncated_checkpoint(two_checkpoints):
     assert "resumed from step 4" in result.stdout
 
 
-def private_memory_mib() -> float:
-    fields = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines())
-    return int(fields["RssAnon"].split()[0]) / 1024  # KiB -> MiB
-
-
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's /proc")
 def test_a_checkpoint_is_mapped_not_copied_and_writes_to_it_stay_in_the_process(tmp_path):
     """Every process reads the checkpoint on --resume. Mapped, the processes of a machine share one copy in the page
@@ -206,10 +202,10 @@ def test_a_checkpoint_is_mapped_not_copied_and_writes_to_it_stay_in_the_process(
     updated in place in the loaded tensors: the file must not change under them."""
     path = str(tmp_path / "ckpt_1.pt")
     t.save_checkpoint(path, {"weights": torch.ones(2**25)}, keep=0)  # 128 MiB of float32
-    before = private_memory_mib()
+    before = resident_gib()["RssAnon"]
     weights = t.load_checkpoint(path)["weights"]
     assert weights.sum().item() == 2**25  # every page read
-    assert private_memory_mib() - before < 16  # read into private memory, it grew by 128 MiB
+    assert (resident_gib()["RssAnon"] - before) * 1024 < 16  # MiB; read into private memory, it grew by 128 MiB
     weights.add_(1)
     assert t.file_sha256(path) == open(f"{path}.sha256").read().strip()
     assert t.load_checkpoint(path)["weights"].sum().item() == 2**25
