@@ -839,25 +839,6 @@ def exit_on_user_error(error: ConfigError, launch: Launch, leave_process_group: 
     sys.exit(2)
 
 
-# Ranks that run out of memory together (the same shapes at the same step) do so within a fraction of a second of
-# each other under DDP, which keeps them in step: each waits this long for the others to say so
-OUT_OF_MEMORY_GATHER_SECONDS = 2.0
-
-
-def exit_out_of_memory(message: str, launch: Launch, store: dist.Store | None) -> typing.NoReturn:
-    """Stop a rank that ran out of memory, said once for all that did. The others may wait inside a collective,
-    where nothing reaches them (torchrun ends them once this one exits), so this cannot gather as on_every_rank
-    does: each rank that ran out posts to start_together's store, and the lowest of them says it."""
-    ranks = [launch.rank]
-    if store is not None:
-        store.set(f"out_of_memory/{launch.rank}", "")
-        time.sleep(OUT_OF_MEMORY_GATHER_SECONDS)
-        ranks = [rank for rank in range(launch.world_size) if store.check([f"out_of_memory/{rank}"])]
-    if ranks[0] == launch.rank:
-        print(f"error: {message}{f' (on {rank_ranges(ranks)})' if ranks != [0] else ''}", file=sys.stderr, flush=True)
-    sys.exit(2)
-
-
 def exchange_startup_posts(store: dist.Store, launch: Launch, post: dict) -> str:
     """Post this process's startup report; rank 0 posts the verdict on all of them. Returns the verdict."""
     store.set(f"startup/{launch.rank}", json.dumps(post))
@@ -943,6 +924,25 @@ def all_reduce_mean(value: torch.Tensor, launch: Launch) -> torch.Tensor:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         value /= launch.world_size
     return value
+
+
+# Ranks that run out of memory together (the same shapes at the same step) do so within a fraction of a second of
+# each other under DDP, which keeps them in step: each waits this long for the others to say so
+OUT_OF_MEMORY_GATHER_SECONDS = 2.0
+
+
+def exit_out_of_memory(message: str, launch: Launch, store: dist.Store | None) -> typing.NoReturn:
+    """Stop a rank that ran out of memory, said once for all that did. The others may wait inside a collective,
+    where nothing reaches them (torchrun ends them once this one exits), so this cannot gather as on_every_rank
+    does: each rank that ran out posts to start_together's store, and the lowest of them says it."""
+    ranks = [launch.rank]
+    if store is not None:
+        store.set(f"out_of_memory/{launch.rank}", "")
+        time.sleep(OUT_OF_MEMORY_GATHER_SECONDS)
+        ranks = [rank for rank in range(launch.world_size) if store.check([f"out_of_memory/{rank}"])]
+    if ranks[0] == launch.rank:
+        print(f"error: {message}{f' (on {rank_ranges(ranks)})' if ranks != [0] else ''}", file=sys.stderr, flush=True)
+    sys.exit(2)
 
 
 # ----------------------------------------------------------------------------- optimizer and schedule
