@@ -35,7 +35,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 PROJECT_ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -988,6 +987,9 @@ def configure_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool,
     ]
     options = dict(lr=cfg.max_lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if sharded:  # not fused: a sharded fused AdamW cannot load a checkpoint (its step counts land on the CPU: #124133)
+        # imported here: torch.distributed.optim imports FSDP and DTensor, 1.2 s of every start on a 2-core machine
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **options)
     return torch.optim.AdamW(groups, fused=fused, **options)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import train_gpt2 as t
-from conftest import ROOT, TINY_ARGS, run_script
+from conftest import ROOT, TINY_ARGS, run_python, run_script
 
 
 def one_line_error(result):
@@ -205,6 +205,16 @@ def test_text_download_failure_offline(tmp_path):
     assert line.startswith(f"error: could not download {url} to {missing} (")
     assert line.endswith("): put a text file there or pass --text_file or --data_dir")
     assert [p.name for p in tmp_path.iterdir()] == ["log"]  # no partial download left behind
+
+
+def test_importing_the_scripts_does_no_work_and_loads_only_what_every_run_needs():
+    """Importing prints nothing, starts no process group, and leaves out what only some runs need: the optional
+    packages and torch.distributed.optim (--shard_optimizer), which imports FSDP and DTensor: 1.8 s more before
+    a mistake could be told."""
+    optional = ["torch.distributed.optim", "tiktoken", "transformers", "matplotlib", "torchao", "datasets", "pyarrow"]
+    result = run_python(["-c", "import sys, torch.distributed as dist, train_gpt2, fineweb; "
+                         f"print(dist.is_initialized(), [m for m in {optional!r} if m in sys.modules])"])
+    assert (result.returncode, result.stdout, result.stderr) == (0, "False []\n", "")
 
 
 def test_help_explains_every_flag():
