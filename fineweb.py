@@ -18,6 +18,7 @@ import errno
 import functools
 import glob
 import gzip
+import hashlib
 import itertools
 import json
 import multiprocessing
@@ -179,16 +180,74 @@ def read_local_documents(paths: list[str], text_field: str):
                 from None
 
 
-def read_hub_documents(cfg: ShardConfig):
+# Every this many documents the hub stream's position is noted (datasets' state_dict, a small dict), so that --resume
+# goes on from the last note before the complete shards' end instead of streaming all of 10B tokens' text again
+STREAM_NOTE_EVERY = 10_000
+
+
+def text_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def read_hub_documents(cfg: ShardConfig, skip: int, resume_note: dict | None, notes: collections.deque):
+    """FineWeb-Edu's documents after the first `skip`, going on from resume_note (a note an earlier run took, at or
+    before `skip`) where the stream can. Appends a note to `notes` every STREAM_NOTE_EVERY documents: {"documents":
+    n, "state": the stream's state_dict() after n documents, "datasets": its version, "next_document": document n's
+    digest, checked when going on from it}."""
     import datasets
 
+    def load():
+        return datasets.load_dataset(cfg.dataset, name=cfg.dataset_subset, split="train", streaming=True)
+
     try:
-        stream = datasets.load_dataset(cfg.dataset, name=cfg.dataset_subset, split="train", streaming=True)
-        for record in stream:
-            yield record[cfg.text_field]
+        stream, records, index = load(), None, 0
+        if resume_note and resume_note["documents"] <= skip:
+            records = records_from_note(stream, resume_note, cfg.text_field, datasets.__version__)
+            if records is None:
+                print(f"{cfg.dataset}'s stream cannot go on where the last run noted (another version of datasets, "
+                      "or the stream changed): reading it again from the start", file=sys.stderr, flush=True)
+                stream = load()
+                notes.clear()
+            else:
+                index = resume_note["documents"]
+        state = None
+        for record in records or stream:
+            text = record[cfg.text_field]
+            if state is not None:  # the state before this document: the note is complete with its digest
+                notes.append({"documents": index, "state": state, "datasets": datasets.__version__,
+                              "next_document": text_digest(text)})
+                state = None
+            if index >= skip:
+                yield text
+            index += 1
+            if index % STREAM_NOTE_EVERY == 0:
+                state = stream.state_dict()
     except (OSError, ConnectionError) as error:
         raise ConfigError(f"cannot reach {cfg.dataset} ({error}): check the network and rerun with --resume "
                           "(no shard is lost), or pass --input") from None
+
+
+def records_from_note(stream, note: dict, text_field: str, datasets_version: str):
+    """The stream's records from the note's document on, or None where it cannot go on there: a state that another
+    version of datasets wrote, or one that leads to another document than the note's."""
+    if note["datasets"] != datasets_version:
+        return None
+    try:
+        stream.load_state_dict(note["state"])
+    except (KeyError, TypeError, ValueError, IndexError):
+        return None
+    records = iter(stream)
+    first = next(records, None)
+    if first is None or text_digest(first[text_field]) != note["next_document"]:
+        return None
+    return itertools.chain([first], records)
+
+
+def last_note_within(notes: collections.deque, documents: int) -> dict | None:
+    """The last note at or before `documents` documents; drops the notes before it, which no later shard needs."""
+    while len(notes) > 1 and notes[1]["documents"] <= documents:
+        notes.popleft()
+    return notes[0] if notes and notes[0]["documents"] <= documents else None
 
 
 # ----------------------------------------------------------------------------- tokenizing
@@ -451,10 +510,12 @@ def run_settings(cfg: ShardConfig, paths: list[str] | None, prefix: str) -> dict
     return {**source, "text_field": cfg.text_field, "shard_size": cfg.shard_size, "prefix": prefix}
 
 
-def write_marker(out_dir: str, settings: dict, position: Position) -> None:
+def write_marker(out_dir: str, settings: dict, position: Position, stream_note: dict | None = None) -> None:
+    """stream_note: where the hub's stream stood at or before the position (read_hub_documents), None for files."""
     record = {"note": "fineweb.py is writing the shards in this folder; if it was interrupted, rerun it with "
                       "--resume to go on, or --overwrite to start again",
-              "writer": f"pid {os.getpid()} on {os.uname().nodename}", "settings": settings, "position": vars(position)}
+              "writer": f"pid {os.getpid()} on {os.uname().nodename}", "settings": settings, "position": vars(position),
+              "stream_note": stream_note}
     write_atomically(os.path.join(out_dir, INCOMPLETE_MARKER), lambda f: f.write(json.dumps(record, indent=1).encode()))
 
 
@@ -467,6 +528,10 @@ def marker_record(out_dir: str) -> dict:
         with open(path) as f:
             record = json.load(f)
         record["position"], record["settings"] = Position(**record["position"]), dict(record["settings"])
+        note = record.setdefault("stream_note", None)  # None: local files, or a marker of an older fineweb.py
+        if note is not None and not (isinstance(note["documents"], int) and
+                                     {"state", "datasets", "next_document"} <= set(note)):
+            raise ValueError
     except (ValueError, KeyError, TypeError):
         raise ConfigError(f"{path} is not a progress record fineweb.py wrote: pass --overwrite to start again") \
             from None
@@ -510,14 +575,18 @@ def main(cfg: ShardConfig) -> tuple[int, int, int]:
     gpt2_encoding()  # loaded here first, so that a tokenizer that cannot be had stops the run before it starts
     make_out_dir(cfg.out_dir)
     with writing_alone(cfg.out_dir):
+        resume_note = None
         if cfg.resume:
             start = resume_position(cfg.out_dir, settings)
+            resume_note = marker_record(cfg.out_dir).get("stream_note")
         else:
             clear_out_dir(cfg.out_dir, cfg.overwrite)
             start = Position()
-        write_marker(cfg.out_dir, settings, start)
-        documents = read_local_documents(paths, cfg.text_field) if paths else read_hub_documents(cfg)
-        documents = itertools.islice(documents, start.documents, None)  # read again, not tokenized again
+        write_marker(cfg.out_dir, settings, start, resume_note)
+        # the documents in the complete shards are read again (from files), not tokenized again
+        stream_notes = collections.deque([resume_note] if resume_note else [])
+        documents = (itertools.islice(read_local_documents(paths, cfg.text_field), start.documents, None) if paths
+                     else read_hub_documents(cfg, start.documents, resume_note, stream_notes))
         from tqdm import tqdm
 
         started = time.perf_counter()
@@ -525,7 +594,9 @@ def main(cfg: ShardConfig) -> tuple[int, int, int]:
         with signals_end_the_run(cfg.out_dir), tokenizing(documents, cfg.workers) as token_arrays, \
                 tqdm(unit="tokens", unit_scale=True, desc="tokenizing", file=sys.stderr, disable=None) as progress:
             counts = write_shards(token_arrays, cfg.out_dir, prefix, cfg.shard_size, start,
-                                  lambda position: write_marker(cfg.out_dir, settings, position), progress)
+                                  lambda position: write_marker(cfg.out_dir, settings, position,
+                                                                last_note_within(stream_notes, position.documents)),
+                                  progress)
         num_documents, num_tokens, num_shards = counts
         if num_documents == 0:
             raise ConfigError(f"no documents in --input {' '.join(cfg.input)}: check the files")

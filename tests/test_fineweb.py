@@ -288,6 +288,18 @@ def test_resume_refuses_other_settings_or_input_naming_them(tmp_path):
     assert str(raised.value) == "--resume keeps out_dir's shards and --overwrite deletes them: pass one of the two"
 
 
+@pytest.mark.parametrize("marker_text", ["garbage", '{"settings": {}, "position": {"shards": 1, "documents": 0, '
+                                         '"tokens_into_next": 0}, "stream_note": {"documents": "350"}}'])
+def test_resume_refuses_a_marker_it_did_not_write(tmp_path, marker_text):
+    corpus, out_dir = interrupted_folder(tmp_path)
+    (out_dir / "INCOMPLETE").write_text(marker_text)
+    with pytest.raises(fineweb.ConfigError) as raised:
+        fineweb.main(fineweb.parse_args(["--input", str(corpus), "--out_dir", str(out_dir), "--shard_size", "100",
+                                         "--resume", "--workers", "1"]))
+    assert str(raised.value) == (f"{out_dir / 'INCOMPLETE'} is not a progress record fineweb.py wrote: pass "
+                                 "--overwrite to start again")
+
+
 def test_a_second_run_on_a_folder_in_use_stops_with_one_line_and_touches_nothing(tmp_path):
     corpus, out_dir = interrupted_folder(tmp_path)
     before = {p.name: p.read_bytes() for p in out_dir.iterdir()}
@@ -433,6 +445,73 @@ def test_the_hub_stream_gives_the_local_files_bytes_and_resumes_after_a_dropped_
     assert fineweb.main(fineweb.parse_args(args + ["--resume"])) == (700, 1_123_459, 4)
     assert calls == [("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True)] * 2
     assert sorted(p.name for p in (tmp_path / "sample").iterdir()) == sorted(p.name for p in reference.iterdir())
+    for path in reference.iterdir():
+        assert (tmp_path / "sample" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def hub_of_local_files(tmp_path, monkeypatch, fail_at):
+    """The real datasets library standing in for the hub: load_dataset streams the sample from 4 local parquet files
+    (as the hub streams FineWeb's parquet files), with the same IterableDataset, state_dict and load_state_dict.
+    Returns the records each stream has given so far; the first stream drops its connection at record FAIL_AT."""
+    import datasets
+
+    texts = [json.loads(line)["text"] for line in SAMPLE.read_text(encoding="utf-8").splitlines()]
+    files = [str(tmp_path / f"part{i}.parquet") for i in range(4)]
+    for i, path in enumerate(files):
+        write_parquet(path, {"text": texts[175 * i : 175 * (i + 1)]}, row_group_size=32)
+    records_given, load_parquet = [], datasets.load_dataset
+
+    def load_dataset(path, name, split, streaming):
+        stream_number = len(records_given)
+        records_given.append(0)
+
+        def count(record):
+            records_given[stream_number] += 1
+            if stream_number == 0 and records_given[0] == fail_at:
+                raise ConnectionError("Connection reset by peer")
+            return record
+
+        return load_parquet("parquet", data_files=files, split=split, streaming=streaming).map(count)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    monkeypatch.setattr(fineweb, "STREAM_NOTE_EVERY", 50)
+    return records_given
+
+
+def test_a_hub_resume_goes_on_from_the_streams_noted_position_not_from_the_start(sample_shards, tmp_path,
+                                                                                 monkeypatch):
+    """Before, a resume streamed every document again (for FineWeb-Edu's 10B tokens: all the text before the
+    stop); now it loads the stream's state noted at the last multiple of 50 documents within the complete shards."""
+    records_given = hub_of_local_files(tmp_path, monkeypatch, fail_at=500)
+    args = ["--out_dir", str(tmp_path / "sample"), "--shard_size", "300000", "--workers", "2"]
+    with pytest.raises(fineweb.ConfigError):
+        fineweb.main(fineweb.parse_args(args))
+    marker = json.loads((tmp_path / "sample" / "INCOMPLETE").read_text())
+    in_shards = marker["position"]["documents"]  # 2 shards of 300,000 tokens hold the first 363 documents whole
+    assert (marker["position"]["shards"], in_shards, marker["stream_note"]["documents"]) == (2, 363, 350)
+    assert fineweb.main(fineweb.parse_args(args + ["--resume"])) == (700, 1_123_459, 4)
+    assert records_given == [500, 700 - 350]
+    reference, _ = sample_shards
+    for path in reference.iterdir():
+        assert (tmp_path / "sample" / path.name).read_bytes() == path.read_bytes(), path.name
+
+
+def test_a_hub_stream_that_does_not_go_on_at_the_noted_document_is_read_again_from_the_start(
+        sample_shards, tmp_path, monkeypatch, capsys):
+    records_given = hub_of_local_files(tmp_path, monkeypatch, fail_at=500)
+    args = ["--out_dir", str(tmp_path / "sample"), "--shard_size", "300000", "--workers", "1"]
+    with pytest.raises(fineweb.ConfigError):
+        fineweb.main(fineweb.parse_args(args))
+    marker_path = tmp_path / "sample" / "INCOMPLETE"
+    marker = json.loads(marker_path.read_text())
+    marker["stream_note"]["next_document"] = "0" * 16  # as if the dataset had changed under the same name
+    marker_path.write_text(json.dumps(marker))
+    assert fineweb.main(fineweb.parse_args(args + ["--resume"])) == (700, 1_123_459, 4)
+    assert records_given == [500, 1, 700]  # the noted document (which differs), then the whole stream again
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "HuggingFaceFW/fineweb-edu's stream cannot go on where the last run noted (another version of datasets, or "
+        "the stream changed): reading it again from the start")
+    reference, _ = sample_shards
     for path in reference.iterdir():
         assert (tmp_path / "sample" / path.name).read_bytes() == path.read_bytes(), path.name
 
