@@ -145,7 +145,8 @@ class TrainConfig:
     seed: int = field(default=1337, metadata={"help": "seed for initialisation, shuffling and sampling"})
     peak_tflops: float = field(
         default=989.0,
-        metadata={"help": "device peak TFLOP/s for MFU: 989 is the H100 SXM dense bf16 datasheet figure"},
+        metadata={"help": "peak TFLOP/s of one device, for MFU (a step's FLOPs over the peaks of all its processes' "
+                  "devices): 989 is the H100 SXM dense bf16 datasheet figure"},
     )
     profile_steps: int = field(
         default=0,
@@ -526,6 +527,12 @@ def count_parameters(model: nn.Module) -> int:
 def flops_per_token(model_config: GPTConfig, num_params: int, seq_len: int) -> int:
     """Training FLOPs per token: 6N for the matmuls (forward + backward) plus 12 L T C for attention (PaLM, App. B)."""
     return 6 * num_params + 12 * model_config.n_layer * seq_len * model_config.n_embd
+
+
+def model_flops_utilization(flops_per_step: float, step_ms: float, peak_tflops: float, world_size: int) -> float:
+    """The fraction of the devices' peak that a step's model FLOPs used. The step's FLOPs are those of all processes
+    together, each on its own device: their peaks add up."""
+    return flops_per_step * 1000 / step_ms / (world_size * peak_tflops * 1e12)
 
 
 # ----------------------------------------------------------------------------- data
@@ -1632,7 +1639,7 @@ def peak_memory_gib(device_type: str) -> float:
 
 
 def step_summary(step_ms: list[float], tokens_per_step: int, flops_per_step: float | None, cfg: TrainConfig,
-                 device_type: str) -> dict:
+                 device_type: str, world_size: int) -> dict:
     """Median speed over the steps after the untimed first ones, peak memory."""
     timed = step_ms[UNTIMED_STEPS:] or step_ms
     median_ms = statistics.median(timed)
@@ -1642,7 +1649,7 @@ def step_summary(step_ms: list[float], tokens_per_step: int, flops_per_step: flo
     if device_type == "cuda":  # what the caching allocator held: with its slack, this is what must fit the GPU
         summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     if flops_per_step is not None:
-        summary["mfu"] = flops_per_step * 1000 / median_ms / (cfg.peak_tflops * 1e12)
+        summary["mfu"] = model_flops_utilization(flops_per_step, median_ms, cfg.peak_tflops, world_size)
     return summary
 
 
@@ -1757,7 +1764,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
     sharded = cfg.shard_optimizer and W > 1
     optimizer = configure_optimizer(raw_model, cfg, fused=device_type == "cuda", sharded=sharded)
     accum_steps = grad_accum_steps(cfg, W)
-    flops_per_step = (flops_per_token(raw_model.config, num_params, T) * cfg.total_batch_size
+    flops_per_step = (flops_per_token(raw_model.config, num_params, T) * cfg.total_batch_size  # of all processes
                       if device_type == "cuda" else None)
     if checkpoint is not None:
         raw_model.load_state_dict(checkpoint["model"])
@@ -1815,7 +1822,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
         line = (f"step {step:5d}/{cfg.max_steps} | loss {train_loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | "
                 f"{elapsed_ms:.0f} ms | {tokens_per_s:,.0f} tok/s")
         if flops_per_step is not None:
-            record["mfu"] = flops_per_step * 1000 / elapsed_ms / (cfg.peak_tflops * 1e12)
+            record["mfu"] = model_flops_utilization(flops_per_step, elapsed_ms, cfg.peak_tflops, W)
             line += f" | MFU {100 * record['mfu']:.1f}%"
         log.write(record, line)
         # every rank holds the same all-reduced loss and gradients, so if one stops here, all do
@@ -1873,7 +1880,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
     if not step_ms:
         log.say(f"nothing to train: the checkpoint is at step {start_step} of --max_steps {cfg.max_steps}")
         return TrainResult(raw_model, log.records)
-    summary = step_summary(step_ms, cfg.total_batch_size, flops_per_step, cfg, device_type)
+    summary = step_summary(step_ms, cfg.total_batch_size, flops_per_step, cfg, device_type, W)
     log.write({"summary": summary}, summary_line(summary, cfg.peak_tflops))
     return TrainResult(raw_model, log.records)
 

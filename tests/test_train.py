@@ -195,13 +195,22 @@ def test_cuda_summary_has_mfu_and_both_memory_peaks(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 27.5 * 2**30)
     cfg = t.parse_args([])
     flops_per_step = 860e6 * 524_288
-    summary = t.step_summary([5000.0, 3000.0, 2000.0, 1100.0, 1000.0, 1200.0], 524_288, flops_per_step, cfg, "cuda")
+    summary = t.step_summary([5000.0, 3000.0, 2000.0, 1100.0, 1000.0, 1200.0], 524_288, flops_per_step, cfg, "cuda",
+                             world_size=1)
     assert summary == {"timed_steps": 3, "median_ms": 1100.0, "median_tokens_per_s": 524_288 / 1.1,
                        "peak_memory_gib": 25.0, "peak_reserved_gib": 27.5,
                        "mfu": pytest.approx(860e6 * 524_288 / 1.1 / 989e12)}
     assert t.summary_line(summary, cfg.peak_tflops) == (
         "summary: median 1100.0 ms/step, 476,625 tokens/s over the last 3 steps; peak memory 25.00 GiB "
         "(27.50 GiB reserved); MFU 41.4% of 989 TFLOP/s")
+
+
+def test_mfu_counts_the_peak_of_every_device_of_the_step():
+    """A step of 8 processes does 8 times the FLOPs on 8 GPUs: the same MFU as one GPU doing one share in the same
+    time (before, the step's FLOPs were set against one GPU's peak: 331% on 8 H100s)."""
+    one_share = 860e6 * 524_288
+    assert t.model_flops_utilization(one_share, 1100.0, 989, world_size=1) == pytest.approx(0.414457, abs=1e-6)
+    assert t.model_flops_utilization(8 * one_share, 1100.0, 989, world_size=8) == pytest.approx(0.414457, abs=1e-6)
 
 
 def test_a_diverging_run_stops_with_one_line_and_saves_nothing_from_that_step(tmp_path, capsys):
