@@ -220,7 +220,7 @@ def read_hub_documents(cfg: ShardConfig, skip: int, resume_note: dict | None, no
             if index >= skip:
                 yield text
             index += 1
-            if index % STREAM_NOTE_EVERY == 0:
+            if index % STREAM_NOTE_EVERY == 0 and hasattr(stream, "state_dict"):  # datasets 2.18 and newer
                 state = stream.state_dict()
     except (OSError, ConnectionError) as error:
         raise ConfigError(f"cannot reach {cfg.dataset} ({error}): check the network and rerun with --resume "

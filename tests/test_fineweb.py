@@ -436,6 +436,7 @@ def test_the_hub_stream_gives_the_local_files_bytes_and_resumes_after_a_dropped_
     records = [json.loads(line) for line in SAMPLE.read_text(encoding="utf-8").splitlines()]
     datasets, calls = fake_datasets(records, fail_at=500)
     monkeypatch.setitem(sys.modules, "datasets", datasets)
+    monkeypatch.setattr(fineweb, "STREAM_NOTE_EVERY", 50)  # a stream without state_dict (datasets before 2.18)
     args = ["--out_dir", str(tmp_path / "sample"), "--shard_size", "300000", "--workers", "1"]
     with pytest.raises(fineweb.ConfigError) as raised:
         fineweb.main(fineweb.parse_args(args))
