@@ -1307,23 +1307,25 @@ def check_resumable(checkpoint: dict, cfg: TrainConfig, model_config: GPTConfig)
         )
 
 
-def rng_states() -> dict:
+def rng_states(device: str) -> dict:
+    """The random generators' states. On CUDA only this run's GPU's: a resume on a machine with fewer GPUs could not
+    restore the others'."""
     numpy_state = np.random.get_state()  # plain types only, so torch.load's safe weights_only mode reads it
     return {
         "python": random.getstate(),
         "numpy": (numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]),
         "torch_cpu": torch.get_rng_state(),
-        "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "torch_cuda": [torch.cuda.get_rng_state(device)] if device.startswith("cuda") else [],
     }
 
 
-def restore_rng_states(states: dict) -> None:
+def restore_rng_states(states: dict, device: str) -> None:
     random.setstate(states["python"])
     name, keys, *rest = states["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(states["torch_cpu"])
-    if states["torch_cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["torch_cuda"])
+    if states["torch_cuda"] and device.startswith("cuda"):  # the first: older checkpoints hold one a GPU, GPU 0 first
+        torch.cuda.set_rng_state(states["torch_cuda"][0], device)
 
 
 class StopSignal:
@@ -1777,7 +1779,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
             log.say(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held {saved_tokens:,}: "
                     "the stored data position no longer points at the same tokens (some will be read twice or "
                     "skipped); resume with the checkpoint's data to go on exactly")
-        restore_rng_states(checkpoint["rng"])
+        restore_rng_states(checkpoint["rng"], device)
         log.say(f"resumed from step {start_step} ({checkpoint['windows_consumed']:,} windows into the data)")
     tokenizer = on_every_rank(gpt2_tokenizer, launch)
     if is_main:
@@ -1863,7 +1865,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: StopSignal
                              "optimizer": optimizer.state_dict(),
                              "scaler": scaler.state_dict(), "step": steps_done, "config": dataclasses.asdict(cfg),
                              "windows_consumed": train_loader.windows_consumed,
-                             "train_tokens": train_loader.stream.num_tokens, "rng": rng_states()}
+                             "train_tokens": train_loader.stream.num_tokens, "rng": rng_states(device)}
                     save_checkpoint(os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt"), state, cfg.keep_ckpts)
 
             on_every_rank(write_checkpoint, launch)

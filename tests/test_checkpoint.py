@@ -149,6 +149,22 @@ def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):
     assert (tmp_path / "ckpt_3.pt.sha256").read_text().strip() == t.file_sha256(str(tmp_path / "ckpt_3.pt"))
 
 
+def test_a_checkpoint_restores_the_cuda_generator_of_this_runs_gpu_only(monkeypatch):
+    """CUDA stubbed. A checkpoint holds the generator state of the run's own GPU. Older ones hold one for every GPU of
+    the machine (GPU 0's first): restoring all 8 of them on a machine with fewer GPUs raised IndexError; now the
+    first is restored on this run's GPU, and none on the CPU."""
+    restored = []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: torch.full((16,), 7, dtype=torch.uint8))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((int(state[0]), device)))
+    states = t.rng_states("cuda:0")
+    assert [int(state[0]) for state in states["torch_cuda"]] == [7]
+    assert t.rng_states("cpu")["torch_cuda"] == []
+    states["torch_cuda"] = [torch.full((16,), gpu, dtype=torch.uint8) for gpu in range(8)]  # an older checkpoint
+    t.restore_rng_states(states, "cuda:0")
+    t.restore_rng_states(states, "cpu")
+    assert restored == [(0, "cuda:0")]
+
+
 def test_resuming_on_other_training_data_says_the_data_position_no_longer_matches(tmp_path, capsys):
     run(["--stop_after_steps", "2"], tmp_path)
     shorter = tmp_path / "shorter.txt"
