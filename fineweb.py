@@ -510,7 +510,7 @@ def run_settings(cfg: ShardConfig, paths: list[str] | None, prefix: str) -> dict
     return {**source, "text_field": cfg.text_field, "shard_size": cfg.shard_size, "prefix": prefix}
 
 
-def write_marker(out_dir: str, settings: dict, position: Position, stream_note: dict | None = None) -> None:
+def write_marker(out_dir: str, settings: dict, position: Position, stream_note: dict | None) -> None:
     """stream_note: where the hub's stream stood at or before the position (read_hub_documents), None for files."""
     record = {"note": "fineweb.py is writing the shards in this folder; if it was interrupted, rerun it with "
                       "--resume to go on, or --overwrite to start again",
@@ -538,15 +538,16 @@ def marker_record(out_dir: str) -> dict:
     return record
 
 
-def resume_position(out_dir: str, settings: dict) -> Position:
-    """Where the interrupted run in out_dir stopped, after checking it had these settings and its shards are whole;
-    Position() for a folder with nothing to go on from. Removes what comes after that position."""
+def resume_position(out_dir: str, settings: dict) -> tuple[Position, dict | None]:
+    """Where the interrupted run in out_dir stopped, after checking it had these settings and its shards are whole,
+    and its last note of the hub's stream (None for files); Position() for a folder with nothing to go on from.
+    Removes what comes after that position."""
     record = marker_record(out_dir)
     if not record:
         if shard_files(out_dir):
             raise ConfigError(f"--out_dir {out_dir} holds a finished run (no {INCOMPLETE_MARKER} file): nothing to "
                               "resume; pass --overwrite to tokenize again")
-        return Position()
+        return Position(), None
     position, settings_were = record["position"], record["settings"]
     for name, value in settings.items():
         if settings_were.get(name) != value:
@@ -561,7 +562,7 @@ def resume_position(out_dir: str, settings: dict) -> Position:
                               "pass --overwrite to start again")
     for path in set(shard_files(out_dir)) - set(kept):  # shards past the position, half-written ones
         os.remove(path)
-    return position
+    return position, record["stream_note"]
 
 
 # ----------------------------------------------------------------------------- main
@@ -575,13 +576,11 @@ def main(cfg: ShardConfig) -> tuple[int, int, int]:
     gpt2_encoding()  # loaded here first, so that a tokenizer that cannot be had stops the run before it starts
     make_out_dir(cfg.out_dir)
     with writing_alone(cfg.out_dir):
-        resume_note = None
         if cfg.resume:
-            start = resume_position(cfg.out_dir, settings)
-            resume_note = marker_record(cfg.out_dir).get("stream_note")
+            start, resume_note = resume_position(cfg.out_dir, settings)
         else:
             clear_out_dir(cfg.out_dir, cfg.overwrite)
-            start = Position()
+            start, resume_note = Position(), None
         write_marker(cfg.out_dir, settings, start, resume_note)
         # the documents in the complete shards are read again (from files), not tokenized again
         stream_notes = collections.deque([resume_note] if resume_note else [])

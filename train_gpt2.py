@@ -994,7 +994,7 @@ def configure_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool,
     ]
     options = dict(lr=cfg.max_lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     if sharded:  # not fused: a sharded fused AdamW cannot load a checkpoint (its step counts land on the CPU: #124133)
-        # imported here: torch.distributed.optim imports FSDP and DTensor, 1.2 s of every start on a 2-core machine
+        # imported here: torch.distributed.optim imports FSDP and DTensor, 1.8 s of every start on a 2-core machine
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **options)
