@@ -191,9 +191,9 @@ def text_digest(text: str) -> str:
 
 def read_hub_documents(cfg: ShardConfig, skip: int, resume_note: dict | None, notes: collections.deque):
     """FineWeb-Edu's documents after the first `skip`, going on from resume_note (a note an earlier run took, at or
-    before `skip`) where the stream can. Appends a note to `notes` every STREAM_NOTE_EVERY documents: {"documents":
-    n, "state": the stream's state_dict() after n documents, "datasets": its version, "next_document": document n's
-    digest, checked when going on from it}."""
+    before `skip`) where the stream can, which then heads `notes`. Appends a note to `notes` every STREAM_NOTE_EVERY
+    documents: {"documents": n, "state": the stream's state_dict() after n documents, "datasets": its version,
+    "next_document": document n's digest, checked when going on from it}."""
     import datasets
 
     def load():
@@ -207,8 +207,8 @@ def read_hub_documents(cfg: ShardConfig, skip: int, resume_note: dict | None, no
                 print(f"{cfg.dataset}'s stream cannot go on where the last run noted (another version of datasets, "
                       "or the stream changed): reading it again from the start", file=sys.stderr, flush=True)
                 stream = load()
-                notes.clear()
             else:
+                notes.append(resume_note)  # until a later note is within the shards
                 index = resume_note["documents"]
         state = None
         for record in records or stream:
@@ -583,7 +583,7 @@ def main(cfg: ShardConfig) -> tuple[int, int, int]:
             start, resume_note = Position(), None
         write_marker(cfg.out_dir, settings, start, resume_note)
         # the documents in the complete shards are read again (from files), not tokenized again
-        stream_notes = collections.deque([resume_note] if resume_note else [])
+        stream_notes = collections.deque()
         documents = (itertools.islice(read_local_documents(paths, cfg.text_field), start.documents, None) if paths
                      else read_hub_documents(cfg, start.documents, resume_note, stream_notes))
         from tqdm import tqdm
