@@ -39,6 +39,10 @@ LOSS_RUN=(--data_dir "$BENCH/edu_fineweb10B" --micro_batch_size 16 --total_batch
           --warmup_steps 30 --eval_every 100 --eval_steps 6 --sample_every 0 --ckpt_every 0)
 
 prepare() {
+  local needed
+  for needed in ../shared/tiktoken_cache ../shared/data/{tinyshakespeare.txt,fineweb_10BT_sample.jsonl}; do
+    [ -e "$needed" ] || { echo "prepare reads the team's data beside the repository: $needed is missing"; exit 2; }
+  done
   mkdir -p "$BENCH/wheels" "$BENCH/old"
   grep -qxF '/.bench/' .git/info/exclude 2>/dev/null || echo '/.bench/' >> .git/info/exclude
   cp -r ../shared/tiktoken_cache "$BENCH/"
@@ -97,6 +101,7 @@ EOF
 }
 
 if [ "$group" = prepare ]; then prepare; exit; fi
+[ -d "$BENCH/edu_fineweb10B" ] || { echo "$BENCH is not prepared: run tests/gpu_runbook.sh prepare"; exit 2; }
 rm -rf "$RUNDIR" && mkdir -p "$RUNDIR" "$LOGDIR"  # a clean slate: train_gpt2.py resumes from a --log_dir's checkpoint
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 python3 -c 'import torch; print("torch", torch.__version__)'

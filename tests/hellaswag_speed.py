@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
-if not SHAKESPEARE.exists():  # elsewhere (a GPU machine), the copy train_gpt2.py downloads
-    SHAKESPEARE = ROOT / "input.txt"
+SHAKESPEARE = ROOT / "input.txt"  # the made-up records' words: the tiny Shakespeare a first training run downloads
 QUICK_START_MODEL = ["--n_layer", "4", "--n_head", "4", "--n_embd", "128", "--block_size", "256"]
 
 
 def made_up_records(count: int, seed: int = 0) -> list[dict]:
+    if not SHAKESPEARE.exists():
+        sys.exit(f"{SHAKESPEARE} is missing: run python3 train_gpt2.py once to download it, or copy it there")
     words = SHAKESPEARE.read_text().split()
     rng = random.Random(seed)
 

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -223,7 +224,7 @@ def test_a_checkpoint_is_mapped_not_copied_and_writes_to_it_stay_in_the_process(
     assert weights.sum().item() == 2**25  # every page read
     assert (resident_gib()["RssAnon"] - before) * 1024 < 16  # MiB; read into private memory, it grew by 128 MiB
     weights.add_(1)
-    assert t.file_sha256(path) == open(f"{path}.sha256").read().strip()
+    assert t.file_sha256(path) == Path(f"{path}.sha256").read_text().strip()
     assert t.load_checkpoint(path)["weights"].sum().item() == 2**25
 
 

@@ -193,6 +193,7 @@ def test_download_writes_the_whole_file_and_nothing_else(tmp_path):
         t.download(f"http://127.0.0.1:{server.server_port}/input.txt", str(target), "unused")
     finally:
         server.shutdown()
+        server.server_close()  # its listening socket
     assert target.read_bytes() == (served / "input.txt").read_bytes()
     assert sorted(p.name for p in target.parent.iterdir()) == ["input.txt"]  # no temporary file left
 

@@ -1,9 +1,12 @@
 import concurrent.futures
 import contextlib
 import errno
+import functools
+import itertools
 import json
 import multiprocessing
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -17,9 +20,48 @@ import pytest
 
 import fineweb
 import train_gpt2
-from conftest import ROOT, SHARED, TINY_ARGS, run_python
+from conftest import ROOT, TINY_ARGS, run_python
 
-SAMPLE = SHARED / "data" / "fineweb_10BT_sample.jsonl"  # 700 FineWeb documents, see its README.md
+# Words of a made-up corpus: ASCII, accents, CJK, Cyrillic, Arabic, an emoji, tabs, newlines and U+2028
+# (a line separator that a JSON line may hold raw)
+WORDS = ["the", "of", "and", "to", "data", "model", "training", "tokens", "GPT-2", "don't", "1,024", "(see",
+         "above).", "naïve", "café", "Zürich", "東京", "данные", "مرحبا", "😀", "x²", "—", "\t", "\n", "\n\n", "\u2028"]
+
+
+@functools.cache
+def corpus_texts() -> tuple[str, ...]:
+    """700 documents drawn from a seeded generator: lengths spread like web pages (median 245 words), every
+    101st one empty, and document 120 of 150,000 words, longer than a 300,000-token shard."""
+    rng = random.Random(0)
+    lengths = [0 if i % 101 == 7 else 150_000 if i == 120 else int(rng.lognormvariate(5.5, 1.0)) for i in range(700)]
+    return tuple(" ".join(rng.choices(WORDS, k=length)) for length in lengths)
+
+
+@functools.cache
+def document_tokens() -> tuple[list[int], ...]:
+    """Each document as the shards must hold it, counted here with tiktoken itself: <|endoftext|>, then its tokens."""
+    import tiktoken
+
+    encoding = tiktoken.get_encoding("gpt2")
+    return tuple([encoding.eot_token] + encoding.encode_ordinary(text) for text in corpus_texts())
+
+
+def expected_counts(shard_size: int, copies: int = 1) -> tuple[int, int, int]:
+    """(documents, tokens, shards) of the corpus repeated `copies` times in shards of shard_size tokens."""
+    tokens = copies * sum(len(document) for document in document_tokens())
+    return copies * len(corpus_texts()), tokens, -(-tokens // shard_size)
+
+
+def documents_within(tokens: int) -> int:
+    """How many leading documents lie whole within the first `tokens` tokens of the stream."""
+    ends = itertools.accumulate(len(document) for document in document_tokens())
+    return sum(1 for end in ends if end <= tokens)
+
+
+def write_corpus(path: Path, copies: int = 1) -> Path:
+    lines = [json.dumps({"id": i, "text": text}, ensure_ascii=False) + "\n" for i, text in enumerate(corpus_texts())]
+    path.write_text("".join(lines) * copies, encoding="utf-8")
+    return path
 
 
 def read_shards(folder):
@@ -27,34 +69,39 @@ def read_shards(folder):
 
 
 @pytest.fixture(scope="module")
-def sample_shards(tmp_path_factory):
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.jsonl")
+
+
+@pytest.fixture(scope="module")
+def corpus_shards(corpus, tmp_path_factory):
+    """The corpus in shards of 300,000 tokens, one worker: the reference the other runs must equal byte for byte."""
     out_dir = tmp_path_factory.mktemp("shards") / "sample"
-    counts = fineweb.main(fineweb.parse_args(["--input", str(SAMPLE), "--out_dir", str(out_dir),
+    counts = fineweb.main(fineweb.parse_args(["--input", str(corpus), "--out_dir", str(out_dir),
                                               "--shard_size", "300000", "--workers", "1"]))
     return out_dir, counts
 
 
-def test_sample_gives_exactly_1123459_tokens_in_4_shards(sample_shards):
-    out_dir, counts = sample_shards
-    assert counts == (700, 1_123_459, 4)
+def test_the_corpus_gives_exactly_its_tokens_in_full_shards(corpus_shards):
+    out_dir, counts = corpus_shards
+    documents, tokens, shards = expected_counts(300_000)
+    assert counts == (documents, tokens, shards) == (700, tokens, 4)
     assert sorted(p.name for p in out_dir.iterdir()) == [
         "sample_train_000001.npy", "sample_train_000002.npy", "sample_train_000003.npy", "sample_val_000000.npy"]
-    assert [len(s) for s in read_shards(out_dir)] == [300_000, 300_000, 300_000, 223_459]
+    assert [len(s) for s in read_shards(out_dir)] == [300_000, 300_000, 300_000, tokens - 900_000]
     assert all(s.dtype == np.uint16 and s.ndim == 1 for s in read_shards(out_dir))
 
 
-def test_shards_concatenated_equal_the_direct_tokenization(sample_shards):
-    out_dir, _ = sample_shards
-    encoding = train_gpt2.gpt2_tokenizer()
-    expected = []
-    for line in SAMPLE.read_text(encoding="utf-8").splitlines():
-        expected += [50256] + encoding.encode_ordinary(json.loads(line)["text"])
-    assert np.concatenate(read_shards(out_dir)).tolist() == expected
+def test_shards_concatenated_equal_each_document_tokenized_alone(corpus_shards):
+    out_dir, _ = corpus_shards
+    assert np.concatenate(read_shards(out_dir)).tolist() == [t for document in document_tokens() for t in document]
+    assert [1] * 7 == [len(document) for text, document in zip(corpus_texts(), document_tokens()) if not text]
+    assert len(document_tokens()[120]) > 300_000  # spans shards 0 to 1, and 1 to 2
 
 
-def test_two_workers_write_byte_identical_shards(sample_shards, tmp_path):
-    one_worker, _ = sample_shards
-    fineweb.main(fineweb.parse_args(["--input", str(SAMPLE), "--out_dir", str(tmp_path / "sample"),
+def test_two_workers_write_byte_identical_shards(corpus, corpus_shards, tmp_path):
+    one_worker, _ = corpus_shards
+    fineweb.main(fineweb.parse_args(["--input", str(corpus), "--out_dir", str(tmp_path / "sample"),
                                      "--shard_size", "300000", "--workers", "2"]))
     for path in one_worker.iterdir():
         assert (tmp_path / "sample" / path.name).read_bytes() == path.read_bytes(), path.name
@@ -75,11 +122,11 @@ def test_a_leftover_temporary_file_is_never_read(tmp_path):
                                                          "x_val_000000.npy"]
 
 
-def test_overwrite_replaces_old_shards(tmp_path):
+def test_overwrite_replaces_old_shards(corpus, tmp_path):
     fineweb.write_shards(iter([np.arange(12, dtype=np.uint16)]), str(tmp_path), "x", shard_size=4)
     (tmp_path / "x_train_000009.npy.tmp").write_bytes(b"leftover")
-    fineweb.main(fineweb.parse_args(["--input", str(SAMPLE), "--out_dir", str(tmp_path), "--prefix", "x",
-                                     "--shard_size", "1000000", "--overwrite", "--workers", "1"]))
+    fineweb.main(fineweb.parse_args(["--input", str(corpus), "--out_dir", str(tmp_path), "--prefix", "x",
+                                     "--shard_size", "600000", "--overwrite", "--workers", "1"]))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x_train_000001.npy", "x_val_000000.npy"]
 
 
@@ -113,9 +160,9 @@ def fail_the_nth_fsync(monkeypatch, n):
     monkeypatch.setattr(fineweb.os, "fsync", fsync)
 
 
-def test_a_run_stopped_by_a_full_disk_resumes_to_the_same_bytes(sample_shards, tmp_path, monkeypatch):
-    reference, _ = sample_shards
-    args = ["--input", str(SAMPLE), "--out_dir", str(tmp_path / "sample"), "--shard_size", "300000"]
+def test_a_run_stopped_by_a_full_disk_resumes_to_the_same_bytes(corpus, corpus_shards, tmp_path, monkeypatch):
+    reference, _ = corpus_shards
+    args = ["--input", str(corpus), "--out_dir", str(tmp_path / "sample"), "--shard_size", "300000"]
     # fsyncs: the marker, then shard 0, marker, shard 1, marker, shard 2 (the one the disk cannot take)
     fail_the_nth_fsync(monkeypatch, 6)
     with pytest.raises(fineweb.ConfigError) as raised:
@@ -127,7 +174,10 @@ def test_a_run_stopped_by_a_full_disk_resumes_to_the_same_bytes(sample_shards, t
     assert sorted(p.name for p in (tmp_path / "sample").iterdir()) == [  # no half-written shard left behind
         "INCOMPLETE", "sample_train_000001.npy", "sample_val_000000.npy"]
     position = json.loads((tmp_path / "sample" / "INCOMPLETE").read_text())["position"]
-    assert position["shards"] == 2 and position["tokens_into_next"] > 0  # a document spans the shard boundary
+    whole = documents_within(600_000)
+    into_next = 600_000 - sum(len(document) for document in document_tokens()[:whole])
+    assert position == {"shards": 2, "documents": whole, "tokens_into_next": into_next}
+    assert 0 < into_next < len(document_tokens()[whole])  # that document spans the shard boundary
     with pytest.raises(fineweb.ConfigError) as raised:
         fineweb.main(fineweb.parse_args(args))
     assert str(raised.value) == (f"--out_dir {tmp_path / 'sample'} holds an interrupted run's shards: pass --resume "
@@ -136,16 +186,16 @@ def test_a_run_stopped_by_a_full_disk_resumes_to_the_same_bytes(sample_shards, t
     # what a kill could also leave: a shard renamed before the marker moved past it, half of the one after
     (tmp_path / "sample" / "sample_train_000002.npy").write_bytes((reference / "sample_train_000002.npy").read_bytes())
     (tmp_path / "sample" / "sample_train_000003.npy.tmp").write_bytes(b"half a shard")
-    assert fineweb.main(fineweb.parse_args(args + ["--resume", "--workers", "1"])) == (700, 1_123_459, 4)
+    assert fineweb.main(fineweb.parse_args(args + ["--resume", "--workers", "1"])) == expected_counts(300_000)
     assert sorted(p.name for p in (tmp_path / "sample").iterdir()) == sorted(p.name for p in reference.iterdir())
     for path in reference.iterdir():
         assert (tmp_path / "sample" / path.name).read_bytes() == path.read_bytes(), path.name
 
 
 @pytest.mark.parametrize("signum, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)])  # Ctrl-C; a scheduler
-def test_a_signal_stops_tokenizing_with_one_line_and_resume_finishes_the_shards(sample_shards, tmp_path, signum,
+def test_a_signal_stops_tokenizing_with_one_line_and_resume_finishes_the_shards(corpus_shards, tmp_path, signum,
                                                                                  to_group):
-    reference, _ = sample_shards
+    reference, _ = corpus_shards
     # its own session, as a terminal's foreground job is its own group; SIGINT as a shell leaves it to a foreground job
     process, args = start_tokenizing(tmp_path, start_new_session=True,
                                      preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
@@ -155,16 +205,15 @@ def test_a_signal_stops_tokenizing_with_one_line_and_resume_finishes_the_shards(
     assert stderr == (f"stopped by {signal.Signals(signum).name}: the complete shards stay in {tmp_path / 'out'}; "
                       "rerun the same command with --resume to go on\n")  # and no worker's traceback
     assert (tmp_path / "out" / "INCOMPLETE").exists()
-    assert fineweb.main(fineweb.parse_args(args + ["--resume"])) == (1400, 2 * 1_123_459, 45)
+    assert fineweb.main(fineweb.parse_args(args + ["--resume"])) == expected_counts(50_000, copies=2)
     assert np.array_equal(np.concatenate(read_shards(tmp_path / "out")),
                           np.tile(np.concatenate(read_shards(reference)), 2))
 
 
 def start_tokenizing(tmp_path, **popen_options):
-    """fineweb.py with 2 workers on the sample twice over into tmp_path/out, returned once it has written 3
+    """fineweb.py with 2 workers on the corpus twice over into tmp_path/out, returned once it has written 3
     shards: (the process, its arguments)."""
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text(SAMPLE.read_text(encoding="utf-8") * 2, encoding="utf-8")
+    corpus = write_corpus(tmp_path / "corpus.jsonl", copies=2)
     out_dir = tmp_path / "out"
     args = ["--input", str(corpus), "--out_dir", str(out_dir), "--shard_size", "50000", "--workers", "2"]
     process = subprocess.Popen([sys.executable, "fineweb.py"] + args, cwd=ROOT, text=True, stdout=subprocess.PIPE,
@@ -359,22 +408,22 @@ def test_error_input_empty(tmp_path):
     assert line == f"error: no documents in --input {tmp_path / 'empty.jsonl'}: check the files"
 
 
-def test_a_tokenizer_that_cannot_be_downloaded_stops_it_before_anything_is_written(tmp_path, monkeypatch):
+def test_a_tokenizer_that_cannot_be_downloaded_stops_it_before_anything_is_written(corpus, tmp_path, monkeypatch):
     import tiktoken
     from test_cli import TOKENIZER_OFFLINE, offline
 
     monkeypatch.setattr(tiktoken, "get_encoding", offline)
     fineweb.gpt2_encoding.cache_clear()  # earlier tests loaded it; a failed load is not cached
     with pytest.raises(fineweb.ConfigError) as stopped:
-        fineweb.main(fineweb.parse_args(["--input", str(SAMPLE), "--out_dir", str(tmp_path / "out")]))
+        fineweb.main(fineweb.parse_args(["--input", str(corpus), "--out_dir", str(tmp_path / "out")]))
     assert f"error: {stopped.value}" == TOKENIZER_OFFLINE
     assert not (tmp_path / "out").exists()
 
 
-def test_error_out_dir_not_empty(tmp_path):
+def test_error_out_dir_not_empty(corpus, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
-    line = one_line_error(run_fineweb(["--input", str(SAMPLE), "--out_dir", str(tmp_path / "out")]))
+    line = one_line_error(run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out")]))
     assert line == (f"error: --out_dir {tmp_path / 'out'} is not empty: pass --overwrite to replace its shards, "
                     "or choose another folder")
 
@@ -430,10 +479,10 @@ def fake_datasets(records, fail_at=None):
     return types.SimpleNamespace(load_dataset=load_dataset), calls
 
 
-def test_the_hub_stream_gives_the_local_files_bytes_and_resumes_after_a_dropped_connection(sample_shards, tmp_path,
+def test_the_hub_stream_gives_the_local_files_bytes_and_resumes_after_a_dropped_connection(corpus_shards, tmp_path,
                                                                                             monkeypatch):
-    reference, _ = sample_shards
-    records = [json.loads(line) for line in SAMPLE.read_text(encoding="utf-8").splitlines()]
+    reference, _ = corpus_shards
+    records = [{"id": i, "text": text} for i, text in enumerate(corpus_texts())]
     datasets, calls = fake_datasets(records, fail_at=500)
     monkeypatch.setitem(sys.modules, "datasets", datasets)
     monkeypatch.setattr(fineweb, "STREAM_NOTE_EVERY", 50)  # a stream without state_dict (datasets before 2.18)
@@ -442,8 +491,9 @@ def test_the_hub_stream_gives_the_local_files_bytes_and_resumes_after_a_dropped_
         fineweb.main(fineweb.parse_args(args))
     assert str(raised.value) == ("cannot reach HuggingFaceFW/fineweb-edu (Connection reset by peer): check the "
                                  "network and rerun with --resume (no shard is lost), or pass --input")
-    assert len(list((tmp_path / "sample").glob("*.npy"))) == 2  # 500 documents fill 2 shards of 300,000 tokens
-    assert fineweb.main(fineweb.parse_args(args + ["--resume"])) == (700, 1_123_459, 4)
+    read_before_the_drop = sum(len(document) for document in document_tokens()[:499])
+    assert len(list((tmp_path / "sample").glob("*.npy"))) == read_before_the_drop // 300_000 == 2
+    assert fineweb.main(fineweb.parse_args(args + ["--resume"])) == expected_counts(300_000)
     assert calls == [("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True)] * 2
     assert sorted(p.name for p in (tmp_path / "sample").iterdir()) == sorted(p.name for p in reference.iterdir())
     for path in reference.iterdir():
@@ -451,12 +501,12 @@ def test_the_hub_stream_gives_the_local_files_bytes_and_resumes_after_a_dropped_
 
 
 def hub_of_local_files(tmp_path, monkeypatch, fail_at):
-    """The real datasets library standing in for the hub: load_dataset streams the sample from 4 local parquet files
+    """The real datasets library standing in for the hub: load_dataset streams the corpus from 4 local parquet files
     (as the hub streams FineWeb's parquet files), with the same IterableDataset, state_dict and load_state_dict.
     Returns the records each stream has given so far; the first stream drops its connection at record FAIL_AT."""
     import datasets
 
-    texts = [json.loads(line)["text"] for line in SAMPLE.read_text(encoding="utf-8").splitlines()]
+    texts = corpus_texts()
     files = [str(tmp_path / f"part{i}.parquet") for i in range(4)]
     for i, path in enumerate(files):
         write_parquet(path, {"text": texts[175 * i : 175 * (i + 1)]}, row_group_size=32)
@@ -479,7 +529,7 @@ def hub_of_local_files(tmp_path, monkeypatch, fail_at):
     return records_given
 
 
-def test_a_hub_resume_goes_on_from_the_streams_noted_position_not_from_the_start(sample_shards, tmp_path,
+def test_a_hub_resume_goes_on_from_the_streams_noted_position_not_from_the_start(corpus_shards, tmp_path,
                                                                                  monkeypatch):
     """Before, a resume streamed every document again (for FineWeb-Edu's 10B tokens: all the text before the
     stop); now it loads the stream's state noted at the last multiple of 50 documents within the complete shards."""
@@ -488,17 +538,19 @@ def test_a_hub_resume_goes_on_from_the_streams_noted_position_not_from_the_start
     with pytest.raises(fineweb.ConfigError):
         fineweb.main(fineweb.parse_args(args))
     marker = json.loads((tmp_path / "sample" / "INCOMPLETE").read_text())
-    in_shards = marker["position"]["documents"]  # 2 shards of 300,000 tokens hold the first 363 documents whole
-    assert (marker["position"]["shards"], in_shards, marker["stream_note"]["documents"]) == (2, 363, 350)
-    assert fineweb.main(fineweb.parse_args(args + ["--resume"])) == (700, 1_123_459, 4)
-    assert records_given == [500, 700 - 350]
-    reference, _ = sample_shards
+    in_shards = documents_within(600_000)  # what the 2 complete shards of 300,000 tokens hold whole
+    noted = in_shards // 50 * 50
+    assert (marker["position"]["shards"], marker["position"]["documents"], marker["stream_note"]["documents"]) == (
+        2, in_shards, noted)
+    assert fineweb.main(fineweb.parse_args(args + ["--resume"])) == expected_counts(300_000)
+    assert records_given == [500, 700 - noted]
+    reference, _ = corpus_shards
     for path in reference.iterdir():
         assert (tmp_path / "sample" / path.name).read_bytes() == path.read_bytes(), path.name
 
 
 def test_a_hub_stream_that_does_not_go_on_at_the_noted_document_is_read_again_from_the_start(
-        sample_shards, tmp_path, monkeypatch, capsys):
+        corpus_shards, tmp_path, monkeypatch, capsys):
     records_given = hub_of_local_files(tmp_path, monkeypatch, fail_at=500)
     args = ["--out_dir", str(tmp_path / "sample"), "--shard_size", "300000", "--workers", "1"]
     with pytest.raises(fineweb.ConfigError):
@@ -507,12 +559,12 @@ def test_a_hub_stream_that_does_not_go_on_at_the_noted_document_is_read_again_fr
     marker = json.loads(marker_path.read_text())
     marker["stream_note"]["next_document"] = "0" * 16  # as if the dataset had changed under the same name
     marker_path.write_text(json.dumps(marker))
-    assert fineweb.main(fineweb.parse_args(args + ["--resume"])) == (700, 1_123_459, 4)
+    assert fineweb.main(fineweb.parse_args(args + ["--resume"])) == expected_counts(300_000)
     assert records_given == [500, 1, 700]  # the noted document (which differs), then the whole stream again
     assert capsys.readouterr().err.splitlines()[0] == (
         "HuggingFaceFW/fineweb-edu's stream cannot go on where the last run noted (another version of datasets, or "
         "the stream changed): reading it again from the start")
-    reference, _ = sample_shards
+    reference, _ = corpus_shards
     for path in reference.iterdir():
         assert (tmp_path / "sample" / path.name).read_bytes() == path.read_bytes(), path.name
 
@@ -537,15 +589,15 @@ def write_parquet(path, columns, row_group_size):
     pyarrow.parquet.write_table(pyarrow.table(columns), path, row_group_size=row_group_size)
 
 
-def test_parquet_gives_the_tokens_of_the_same_documents_in_jsonl(sample_shards, tmp_path):
-    """FineWeb's own files are parquet: the sample rewritten as parquet (in row groups of 64, read batch by
+def test_parquet_gives_the_tokens_of_the_same_documents_in_jsonl(corpus_shards, tmp_path):
+    """FineWeb's own files are parquet: the corpus rewritten as parquet (in row groups of 64, read batch by
     batch) must give byte-identical shards."""
-    texts = [json.loads(line)["text"] for line in SAMPLE.read_text(encoding="utf-8").splitlines()]
+    texts = list(corpus_texts())
     write_parquet(tmp_path / "sample.parquet", {"id": list(range(len(texts))), "text": texts}, row_group_size=64)
     counts = fineweb.main(fineweb.parse_args(["--input", str(tmp_path / "sample.parquet"), "--out_dir",
                                               str(tmp_path / "sample"), "--shard_size", "300000", "--workers", "1"]))
-    from_jsonl, _ = sample_shards
-    assert counts == (700, 1_123_459, 4)
+    from_jsonl, _ = corpus_shards
+    assert counts == expected_counts(300_000)
     for path in from_jsonl.iterdir():
         assert (tmp_path / "sample" / path.name).read_bytes() == path.read_bytes(), path.name
 
@@ -596,8 +648,8 @@ def test_an_interrupted_run_leaves_a_folder_the_trainer_refuses(tmp_path):
     assert len(train_gpt2.find_shards(str(tmp_path / "out"), "train")) == 4  # 402 tokens: val + 4 train shards
 
 
-def test_end_to_end_train_on_the_shards_one_and_two_processes(sample_shards, tmp_path):
-    out_dir, _ = sample_shards
+def test_end_to_end_train_on_the_shards_one_and_two_processes(corpus_shards, tmp_path):
+    out_dir, _ = corpus_shards
     single = run_python(["train_gpt2.py"] + shard_training_args(out_dir, tmp_path / "one"), env={"OMP_NUM_THREADS": "1"})
     assert single.returncode == 0, single.stderr
     train_losses, val_losses = losses(tmp_path / "one")

@@ -66,7 +66,7 @@ def train_steps(model, optimizer, batches):
         optimizer.step()
 
 
-def test_fused_adamw_the_cuda_default_steps_like_the_plain_one():
+def test_fused_adamw_the_cuda_default_steps_like_the_plain_one(one_thread):
     """CUDA runs take the fused AdamW kernel; PyTorch also has it for CPU, so its update is checked here."""
     cfg = t.parse_args(["--warmup_steps", "0", "--max_steps", "10"])
     initial = [p.detach().clone() for p in tiny_model().parameters()]
@@ -83,4 +83,6 @@ def test_fused_adamw_the_cuda_default_steps_like_the_plain_one():
         results.append([p.detach().clone() for p in model.parameters()])
     plain, fused = results
     assert all((p - p0).abs().max() > 1e-4 for p, p0 in zip(plain, initial))  # every tensor moved
-    assert max((a - b).abs().max().item() for a, b in zip(plain, fused)) < 1e-6
+    # the kernels order their float32 arithmetic differently: 1.3e-6 apart was seen (2 threads, a loaded machine);
+    # a wrong update would be off by about a step, lr 6e-4
+    assert max((a - b).abs().max().item() for a, b in zip(plain, fused)) < 1e-5
