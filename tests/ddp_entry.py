@@ -11,14 +11,11 @@
                                                micro-step a step)
     ddp_entry.py grad_sync OUT                 one accumulated step both ways; rank 0 saves both gradients
     ddp_entry.py disk_full NAME FLAGS...       train, with rank 0's disk full when it writes checkpoint NAME
-    ddp_entry.py own_log_dir FLAGS...          train with --log_dir/rank<R> on each rank, as machines that
-                                               share no storage would see it
-    ddp_entry.py dies_at_start RANK SECONDS FLAGS...  train, with rank RANK crashing before it reports at startup
-                                               (as an ImportError would) and the others waiting SECONDS for it
+    ddp_entry.py no_checkpoint_on RANK FLAGS...  train, with rank RANK seeing no checkpoint in --log_dir, as
+                                               machines that share no storage would
 """
 
 import contextlib
-import datetime
 import os
 import sys
 from pathlib import Path
@@ -110,16 +107,9 @@ def disk_full(checkpoint_name, flags):
     train_gpt2.main(train_gpt2.parse_args(flags))
 
 
-def own_log_dir(flags):
-    cfg = train_gpt2.parse_args(flags)
-    cfg.log_dir = os.path.join(cfg.log_dir, f"rank{os.environ['RANK']}")
-    train_gpt2.main(cfg)
-
-
-def dies_at_start(rank, seconds, flags):
+def no_checkpoint_on(rank, flags):
     if os.environ["RANK"] == rank:
-        raise ImportError("No module named 'numpy' (injected: a package missing on this rank's machine)")
-    train_gpt2.STARTUP_TIMEOUT = datetime.timedelta(seconds=seconds)
+        train_gpt2.checkpoint_paths = lambda log_dir: []
     train_gpt2.main(train_gpt2.parse_args(flags))
 
 
@@ -164,9 +154,7 @@ if __name__ == "__main__":
         nan_loss(args[0], int(args[1]), args[2:])
     elif command == "disk_full":
         disk_full(args[0], args[1:])
-    elif command == "own_log_dir":
-        own_log_dir(args)
-    elif command == "dies_at_start":
-        dies_at_start(args[0], int(args[1]), args[2:])
+    elif command == "no_checkpoint_on":
+        no_checkpoint_on(args[0], args[1:])
     else:
         grad_sync(args[0])

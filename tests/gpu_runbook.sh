@@ -5,7 +5,7 @@
 #   bash tests/gpu_runbook.sh prepare          # here, with network or ../shared: fills .bench/ (git-ignored)
 #   bash tests/gpu_runbook.sh speed    # on the GPU: build-nanogpt vs ours, --no-compile, --recompute
 #   bash tests/gpu_runbook.sh fp8      # on the GPU: --fp8 speed, fp8 vs bf16 loss, --profile_steps, NCCL
-#   bash tests/gpu_runbook.sh modes    # on the GPU: HellaSwag speed, --compile_mode variants
+#   bash tests/gpu_runbook.sh modes    # on the GPU: HellaSwag speed, now and before
 #
 # On the device tool: carry .bench and run one group a call (each should take 6 to 9 minutes; the figures of the
 # first runs come back even if a call is stopped at its limit). Each run's output goes to NAME.log in $OUT if set,
@@ -130,8 +130,6 @@ case $group in
       run "hellaswag-${version%%:*}" 120 python3 tests/hellaswag_speed.py --examples 2000 \
         --code "${version#*:}" -- --n_layer 12 --n_head 12 --n_embd 768 --block_size 1024 --device cuda --seq_len 1024 \
         --total_batch_size 8192 "${extra[@]}"
-    done
-    ours reduce-overhead 180 "${SHORT[@]}" --compile_mode reduce-overhead
-    ours max-autotune 300 "${SHORT[@]}" --compile_mode max-autotune ;;  # autotuning takes minutes
+    done ;;
 esac
 table | tee "$LOGDIR/table.txt"

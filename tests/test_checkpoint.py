@@ -69,7 +69,7 @@ def test_a_full_disk_stops_with_one_line_and_the_run_resumes_exactly(one_thread,
                                        f"make room in {log_dir} and run the same command with --resume auto\n")
     # the partial file is gone, the older checkpoint is whole
     assert sorted(p.name for p in log_dir.iterdir()) == ["ckpt_3.pt", "ckpt_3.pt.sha256", "loss.png",
-                                                        "metrics.jsonl", "run.lock"]
+                                                        "metrics.jsonl"]
     monkeypatch.undo()
     resumed = run(["--ckpt_every", "3", "--keep_ckpts", "0", "--resume", "auto"], log_dir)
     straight = run([], tmp_path / "straight")
@@ -320,16 +320,3 @@ def test_sigterm_to_torchrun_checkpoints_once_and_every_rank_exits_cleanly(tmp_p
     assert out.count("stopped by a signal") == 1, out + err
     assert len(list(tmp_path.glob("ckpt_*.pt"))) == 1
     assert "exitcode  : 1" not in err and "Traceback (most recent call last):\n  File \"" + str(ROOT) not in err
-
-
-def test_a_second_run_on_a_log_dir_in_use_stops_with_one_line(tmp_path, capsys):
-    log_dir = tmp_path / "log"
-    with t.MetricsLog(str(log_dir), active=True):  # as a run in another process would hold it
-        with pytest.raises(SystemExit) as stopped:
-            run(["--max_steps", "2", "--warmup_steps", "1"], log_dir)
-        assert stopped.value.code == 2
-        assert capsys.readouterr().err == (f"error: another run (pid {os.getpid()} on {os.uname().nodename}) is writing "
-                                           f"to --log_dir {log_dir}: wait for it to end, stop it, or pass another "
-                                           "--log_dir\n")
-        assert sorted(p.name for p in log_dir.iterdir()) == ["run.lock"]  # the second run wrote nothing
-    assert len([r for r in run(["--max_steps", "2", "--warmup_steps", "1"], log_dir).records if "train_loss" in r]) == 2

@@ -116,7 +116,7 @@ def test_chunked_loss_without_gradients_is_the_plain_loss():
                                              (["--compile", "--loss_chunk_size", "4096"], 4096)])
 def test_the_loss_is_chunked_unless_compile_fuses_it(flags, expected):
     cfg = t.parse_args(["--n_layer", "1", "--n_head", "1", "--n_embd", "8", "--generate"] + flags)
-    assert t.build_model(cfg, t.Launch(), "cpu").loss_chunk_size == expected
+    assert t.build_model(cfg, "cpu").loss_chunk_size == expected
 
 
 @pytest.mark.parametrize("chunk_size, fp8, recompute", [(0, False, False), (5, False, False), (0, True, False),

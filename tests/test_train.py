@@ -151,19 +151,6 @@ def test_compiled_model_trains_like_the_eager_one(tmp_path, loss_flags):
     assert max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4
 
 
-@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune-no-cudagraphs"])
-def test_compile_mode_reaches_torch_compile(tmp_path, monkeypatch, capsys, mode):
-    """CUDA graphs (reduce-overhead) apply on CUDA only, and max-autotune benchmarks GPU kernels: here the
-    check is that the mode reaches torch.compile and the compiled model still trains like the eager one."""
-    modes, real_compile = [], torch.compile
-    monkeypatch.setattr(torch, "compile", lambda model, mode: modes.append(mode) or real_compile(model, mode=mode))
-    eager = train_losses(run(["--max_steps", "2"], tmp_path, "eager"))
-    compiled = train_losses(run(["--max_steps", "2", "--compile", "--compile_mode", mode], tmp_path, mode))
-    assert modes == [mode]
-    assert f"(float32, compile {mode})" in capsys.readouterr().out  # the start-up line names the mode
-    assert max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4
-
-
 def test_profile_records_the_steps_after_warmup_and_leaves_them_out_of_the_summary(tmp_path, capsys):
     result = run(["--max_steps", "7", "--profile_steps", "2"], tmp_path)
     out = capsys.readouterr().out
