@@ -21,10 +21,12 @@ import os
 import random
 import re
 import signal
+import socket
 import statistics
 import sys
 import time
 import typing
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +60,11 @@ class ConfigError(Exception):
     """A user mistake (or a run its settings made diverge): printed as one line, exit status 2."""
 
 
-# ----------------------------------------------------------------------------- config
+class DownloadError(ConfigError):
+    """A file needed from the network could not be fetched."""
+
+
+# ------------------------------------------------------------ config
 
 
 def flag(default, help: str, choices=None):
@@ -76,7 +82,7 @@ class TrainConfig:
     vocab_size: int = flag(50304, "embedding rows: 50257 tokens padded to a multiple of 128")
     # data
     data_dir: str = flag("", "folder of fineweb.py's .npy shards; empty: --text_file")
-    text_file: str = flag("", "text split 90/10 into train/val (default: input.txt, tiny Shakespeare)")
+    text_file: str = flag("", "text to split 90/10 into train/val (default: tiny Shakespeare)")
     shuffle: bool | None = flag(None, "new seeded window order each epoch (default: on for shards)")
     # batch: 2**19 = 524,288 tokens a step, about GPT-3 small's 0.5M
     total_batch_size: int = flag(2**19, "tokens per optimizer step, over all processes")
@@ -124,7 +130,7 @@ class TrainConfig:
     hellaswag_path: str = flag("", "hellaswag_val.jsonl (default: downloaded once)")
     log_dir: str = flag("log", "folder for metrics.jsonl, loss.png and checkpoints")
     # checkpoints
-    ckpt_every: int = flag(1000, "checkpoint every N steps and at the end; 0: at the end only")
+    ckpt_every: int = flag(1000, "checkpoint every N steps and at the end; 0: never")
     keep_ckpts: int = flag(2, "keep the N newest checkpoints; 0: all")
     stop_after_steps: int = flag(0, "end this run with a checkpoint after N steps; 0: never")
     resume: str = flag("", "a checkpoint to continue from, or auto: the newest in --log_dir")
@@ -138,20 +144,28 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
-    """Every TrainConfig field is a --flag with its help line."""
+    """Every TrainConfig field is a --flag with its help line. An --init_from checkpoint gives the
+    batch shape it was trained with, unless flags give it."""
     parser = _OneLineErrorParser(description="Pretrain GPT-2 (defaults: the 124M recipe on GPUs).")
-    for config_field in dataclasses.fields(TrainConfig):
-        name, default, help_text = config_field.name, config_field.default, config_field.metadata["help"]
+    for f in dataclasses.fields(TrainConfig):
+        help_text = f.metadata["help"]
         if "(default" not in help_text:
-            help_text += f" (default: {default})"
-        if config_field.type in (bool, bool | None):
-            parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, default=default,
-                                help=help_text)
-        else:
-            value_type = [t for t in typing.get_args(config_field.type) if t is not type(None)]
-            parser.add_argument(f"--{name}", type=(value_type or [config_field.type])[0],
-                                default=default, help=help_text, choices=config_field.metadata["choices"])
-    return TrainConfig(**vars(parser.parse_args(argv)))
+            help_text += f" (default: {f.default})"
+        if f.type in (bool, bool | None):
+            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:  # int | None parses as int
+            value_type = [t for t in typing.get_args(f.type) if t is not type(None)] or [f.type]
+            parser.add_argument(f"--{f.name}", type=value_type[0], default=argparse.SUPPRESS,
+                                help=help_text, choices=f.metadata["choices"])
+    given = vars(parser.parse_args(argv))  # only the flags on the command line
+    cfg = TrainConfig(**given)
+    if os.path.isfile(cfg.init_from):
+        saved = checkpoint_config(cfg.init_from)
+        for name in ("seq_len", "micro_batch_size", "total_batch_size"):
+            if name not in given and name in saved:
+                setattr(cfg, name, saved[name])
+    return cfg
 
 
 def model_shape(cfg: TrainConfig) -> tuple[int, int, int]:
@@ -160,7 +174,7 @@ def model_shape(cfg: TrainConfig) -> tuple[int, int, int]:
     return (cfg.n_layer or n_layer, cfg.n_head or n_head, cfg.n_embd or n_embd)
 
 
-# ----------------------------------------------------------------------------- model
+# ------------------------------------------------------------ model
 
 
 @dataclass
@@ -173,8 +187,8 @@ class GPTConfig:
 
 
 class KVCache:
-    """Keys and values of the tokens seen so far, for generation: each new token costs one position.
-    layers[i] is layer i's (k, v), each (B, n_head, length, head_dim), or None before the first call."""
+    """Keys and values of the tokens so far, for generation: each new token costs one position.
+    layers[i]: layer i's (k, v), each (B, n_head, length, head_dim); None before the first call."""
 
     def __init__(self, n_layer: int):
         self.layers = [None] * n_layer
@@ -200,7 +214,8 @@ class CausalSelfAttention(nn.Module):
             if cache.layers[layer] is not None:
                 if T != 1:
                     raise ValueError("a filled KV cache takes one new token at a time")
-                k, v = (torch.cat([past, new], dim=2) for past, new in zip(cache.layers[layer], (k, v)))
+                past_k, past_v = cache.layers[layer]
+                k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
             cache.layers[layer] = (k, v)
         # T new queries over all keys: causal among themselves; a single new token sees every key
         y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
@@ -326,7 +341,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             if wants_grad:
                 # d(mean loss)/d(logits) = (softmax - one_hot(target)) / N, in place
                 grad_logits = exp_shifted.div_(sum_exp)
-                grad_logits[torch.arange(len(chunk_targets), device=logits.device), chunk_targets] -= 1
+                row_index = torch.arange(len(chunk_targets), device=logits.device)
+                grad_logits[row_index, chunk_targets] -= 1
                 grad_logits = grad_logits.div_(num_rows).to(matmul_dtype)
                 grad_hidden[rows] = grad_logits @ matmul_weight
                 grad_weight += (grad_logits.t() @ chunk_hidden).float()
@@ -364,7 +380,7 @@ def model_flops_utilization(flops_per_step: float, step_ms: float, peak_tflops: 
     return flops_per_step * 1000 / step_ms / (world_size * peak_tflops * 1e12)
 
 
-# ----------------------------------------------------------------------------- data
+# ------------------------------------------------------------ data
 
 
 def gpt2_tokenizer():
@@ -396,9 +412,9 @@ def find_shards(data_dir: str, split: str) -> list[str]:
         raise ConfigError(f"--data_dir {data_dir} is not a folder: run fineweb.py to make shards, "
                           "or fix the path")
     if os.path.exists(os.path.join(data_dir, "INCOMPLETE")):  # fineweb.py's, until all are in
-        raise ConfigError(f"--data_dir {data_dir} is incomplete: fineweb.py is still writing it, or "
-                          "was interrupted (its INCOMPLETE file is there): wait for it, or rerun "
-                          "fineweb.py with --resume")
+        raise ConfigError(f"--data_dir {data_dir} is incomplete: fineweb.py is still writing it, "
+                          "or was interrupted (its INCOMPLETE file is there): wait for it, or "
+                          "rerun fineweb.py with --resume")
     paths = sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.npy")))
     if not paths:
         raise ConfigError(f"no {split} shards (*_{split}_*.npy) in --data_dir {data_dir}: "
@@ -410,9 +426,12 @@ def open_shard(path: str) -> np.ndarray:
     """Memory-map one shard: a batch reads the pages it touches, never the whole file into RAM."""
     try:
         tokens = np.load(path, mmap_mode="r")
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"cannot read shard {path} ({error}): delete it and rerun fineweb.py") \
+    except OSError as error:  # a folder, no permission, a disk error
+        raise ConfigError(f"cannot read shard {path} ({error.strerror or error}): check the file") \
             from None
+    except (ValueError, EOFError):  # numpy calls a file without .npy's header "pickled data"
+        raise ConfigError(f"cannot read shard {path}: it is not a .npy file (empty, cut short or "
+                          "another format): delete it and rerun fineweb.py") from None
     if tokens.dtype != np.uint16 or tokens.ndim != 1 or len(tokens) < 2:
         raise ConfigError(f"shard {path} holds {tokens.dtype} of shape {tokens.shape}, not a 1-D "
                           "uint16 array of at least 2 tokens: rerun fineweb.py")
@@ -422,8 +441,8 @@ def open_shard(path: str) -> np.ndarray:
 class TokenStream:
     """Token arrays (memory-mapped shards, or one in-memory array) read as one sequence."""
 
-    def __init__(self, arrays: list[np.ndarray]):
-        self.arrays = arrays
+    def __init__(self, arrays: list[np.ndarray], names: list[str] | None = None):
+        self.arrays, self.names = arrays, names or ["the text"] * len(arrays)
         self.starts = np.cumsum([0] + [len(a) for a in arrays])  # first global index of each
         self.num_tokens = int(self.starts[-1])
 
@@ -439,19 +458,22 @@ class TokenStream:
             index += 1
         return np.concatenate(pieces).astype(np.int64)
 
+    def name_at(self, position: int) -> str:
+        return self.names[int(np.searchsorted(self.starts, position, side="right")) - 1]
+
 
 def load_token_streams(cfg: TrainConfig) -> tuple[TokenStream, TokenStream]:
     """(train, val): the shards in --data_dir, or the text file split 90/10."""
     if cfg.data_dir:
-        return tuple(TokenStream([open_shard(path) for path in find_shards(cfg.data_dir, split)])
-                     for split in ("train", "val"))
+        paths = [find_shards(cfg.data_dir, split) for split in ("train", "val")]
+        return tuple(TokenStream([open_shard(path) for path in group], group) for group in paths)
     tokens = read_text_tokens(cfg.text_file or TEXT_FILE)
     split = int(0.9 * len(tokens))
     return TokenStream([tokens[:split]]), TokenStream([tokens[split:]])
 
 
 class DataLoader:
-    """(B, T) batches from a stream cut into windows of T + 1 tokens: x = window[:-1], y = window[1:].
+    """(B, T) batches from a stream cut into windows of T + 1 tokens: x = window[:-1], y = [1:].
 
     Window k starts at token k*T (neighbours share one token); windows span shard boundaries. The
     whole position is one integer, the windows consumed by all ranks together: rank r of W takes the
@@ -472,6 +494,7 @@ class DataLoader:
         self.stream, self.batch_size, self.seq_len = stream, batch_size, seq_len
         self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
         self.windows_consumed = 0
+        self.problem = None  # token ids beyond GPT-2's vocabulary: another tokenizer's shards
         self._order_epoch, self._order = None, None
 
     @property
@@ -493,8 +516,17 @@ class DataLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         B, T = self.batch_size, self.seq_len
         first = self.windows_consumed + self.rank * B
-        windows = np.stack([self.stream.read(self.window_start(w), T + 1)
-                            for w in range(first, first + B)])
+        starts = [self.window_start(w) for w in range(first, first + B)]
+        windows = np.stack([self.stream.read(start, T + 1) for start in starts])
+        if windows.max() >= GPT2_VOCAB_SIZE:  # another tokenizer's shards
+            row, column = np.argwhere(windows >= GPT2_VOCAB_SIZE)[0]
+            self.problem = self.problem or (
+                f"{self.stream.name_at(starts[row] + column)} holds token id {windows[row, column]}"
+                f", beyond GPT-2's {GPT2_VOCAB_SIZE} tokens (made with another tokenizer?): "
+                "remake the shards with fineweb.py")
+            # such ids would fault the embedding (on a GPU, a device-side assert that ends the
+            # process): clipped, until every rank stops together at the end of the step
+            np.minimum(windows, GPT2_VOCAB_SIZE - 1, out=windows)
         self.windows_consumed += self.world_size * B
         windows = torch.from_numpy(windows)  # (B, T + 1)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
@@ -508,7 +540,7 @@ def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
     return batch.to(device)
 
 
-# ----------------------------------------------------------------------------- distributed setup
+# ------------------------------------------------------------ distributed setup
 
 # Backstop for a collective whose peer never arrives. Rank 0 alone writes checkpoints between
 # collectives (10 s for 124M, minutes for gpt2-xl): this must exceed that. A peer that crashed is
@@ -593,7 +625,7 @@ def first_problem(problems: list[str | None]) -> ConfigError | None:
 
 
 def all_reduce_mean(value: torch.Tensor, launch: Launch) -> torch.Tensor:
-    """Mean over ranks. SUM, then divide: gloo's ReduceOp.AVG came late and had a correctness bug."""
+    """Mean over ranks: SUM, then divide (gloo's ReduceOp.AVG came late, with a correctness bug)."""
     if launch.torchrun:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
@@ -601,7 +633,7 @@ def all_reduce_mean(value: torch.Tensor, launch: Launch) -> torch.Tensor:
     return value
 
 
-# ----------------------------------------------------------------------------- optimizer and schedule
+# ------------------------------------------------------------ optimizer and schedule
 
 
 def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
@@ -636,7 +668,7 @@ def configure_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool,
     return torch.optim.AdamW(groups, fused=fused, **options)
 
 
-# ----------------------------------------------------------------------------- training loop
+# ------------------------------------------------------------ training loop
 
 
 def forward_backward(model, loader: DataLoader, accum_steps: int, device: str, autocast, scaler,
@@ -675,13 +707,13 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
     dtype, autocast = precision(cfg, device_type)
     model = torch.compile(raw_model) if compile_enabled(cfg, device) else raw_model
     if launch.torchrun:  # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets
-        model = DDP(model, device_ids=[torch.device(device).index] if device_type == "cuda" else None,
-                    gradient_as_bucket_view=True)
+        device_ids = [torch.device(device).index] if device_type == "cuda" else None
+        model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)  # float16 only
     sharded = cfg.shard_optimizer and W > 1
     optimizer = configure_optimizer(raw_model, cfg, fused=device_type == "cuda", sharded=sharded)
-    start_step = restore_checkpoint(run.checkpoint, raw_model, optimizer, scaler, train_loader,
-                                    device, log)
+    start_step = restore_checkpoint(run.checkpoint, cfg, raw_model, optimizer, scaler,
+                                    train_loader, device, log)
     accum_steps = grad_accum_steps(cfg, W)
     flops_per_step = (flops_per_token(raw_model.config, count_parameters(raw_model), cfg.seq_len)
                       * cfg.total_batch_size if device_type == "cuda" else None)
@@ -696,7 +728,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
                                 sync_last_only=launch.torchrun)
         loss = all_reduce_mean(loss, launch)  # DDP averaged the gradients; this, the logged loss
         scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
+        grad_norm = nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -727,21 +759,24 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
         if score_hellaswag:
             scores = evaluate_hellaswag(raw_model, run.hellaswag, device, autocast, launch)
             log.write({"step": step, **scores}, f"step {step:5d}/{cfg.max_steps} | HellaSwag "
-                      f"acc_norm {scores['hellaswag_acc_norm']:.4f} (acc {scores['hellaswag_acc']:.4f})")
+                      f"acc_norm {scores['hellaswag_acc_norm']:.4f} (acc "
+                      f"{scores['hellaswag_acc']:.4f})")
         if evaluate or score_hellaswag or last_step:
             log.plot()
         if launch.rank == 0 and due(cfg.sample_every, steps_done, last_step):
             print_samples(raw_model, run.tokenizer, cfg, device, autocast)
 
+        stop_on_bad_tokens([train_loader, val_loader], launch, device)
         stop = any_rank(stop_signal.requested, launch, device)
         pause = not last_step and steps_done - start_step == cfg.stop_after_steps > 0
-        if stop or pause or last_step or due(cfg.ckpt_every, steps_done, last_step):
+        if stop or pause or due(cfg.ckpt_every, steps_done, last_step):
             write_checkpoint(cfg, launch, device, raw_model, optimizer, scaler, train_loader,
                              steps_done, sharded)
         if stop or pause:
             reason = "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}"
             log.say(f"stopped by {reason} after step {step}, checkpoint {cfg.log_dir}/ckpt_"
-                    f"{steps_done}.pt written: to continue, run the same command with --resume auto")
+                    f"{steps_done}.pt written: to continue, run the same command with --resume "
+                    "auto")
             break
         if profiler:
             profiler.step()
@@ -757,7 +792,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
     return TrainResult(raw_model, log.records)
 
 
-# ----------------------------------------------------------------------------- evaluation
+# ------------------------------------------------------------ evaluation
 
 
 @torch.no_grad()
@@ -817,7 +852,7 @@ def print_samples(model: GPT, tokenizer, cfg: TrainConfig, device: str, autocast
 
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
-HELLASWAG_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "train_gpt2", "hellaswag_val.jsonl")
+HELLASWAG_CACHE = os.path.expanduser("~/.cache/train_gpt2/hellaswag_val.jsonl")
 # Examples are scored in batches of at most this many tokens (one at a time left a GPU idle).
 # Only ending tokens get logits, about a quarter: 2048 x 50304 float32 logits take 0.4 GiB
 HELLASWAG_BATCH_TOKENS = 8192
@@ -910,7 +945,7 @@ def evaluate_hellaswag(model: GPT, batches: list[tuple], device: str, autocast,
             "hellaswag_acc_norm": right_norm / total}
 
 
-# ----------------------------------------------------------------------------- checking the config
+# ------------------------------------------------------------ checking the config
 
 
 def steps_to_profile(cfg: TrainConfig) -> int:
@@ -969,8 +1004,9 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
     if cfg.num_samples < 1 or cfg.max_new_tokens < 0:
         raise ConfigError(f"--num_samples ({cfg.num_samples}) must be at least 1 and "
                           f"--max_new_tokens ({cfg.max_new_tokens}) 0 or more")
-    run_steps, limit = ((cfg.stop_after_steps, "--stop_after_steps")
-                        if 0 < cfg.stop_after_steps < cfg.max_steps else (cfg.max_steps, "--max_steps"))
+    run_steps, limit = (cfg.max_steps, "--max_steps")
+    if 0 < cfg.stop_after_steps < cfg.max_steps:
+        run_steps, limit = cfg.stop_after_steps, "--stop_after_steps"
     if cfg.profile_steps and run_steps < steps_to_profile(cfg):
         raise ConfigError(f"--profile_steps {cfg.profile_steps} needs {steps_to_profile(cfg)} "
                           f"steps ({UNTIMED_STEPS} warm-up, 1 for the profiler): raise {limit} to "
@@ -978,19 +1014,24 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
     if cfg.top_k < 1 or cfg.temperature <= 0:
         raise ConfigError(f"--top_k ({cfg.top_k}) must be at least 1 and --temperature "
                           f"({cfg.temperature}) above 0")
+    if cfg.init_from and cfg.resume:
+        raise ConfigError("--init_from starts a new run from its weights and --resume continues an "
+                          "earlier one: drop one of the two")
     if cfg.init_from and cfg.init_from not in MODEL_SHAPES and not os.path.isfile(cfg.init_from):
         raise ConfigError(f"--init_from {cfg.init_from} is neither {', '.join(MODEL_SHAPES)} nor a "
                           "checkpoint file")
     if cfg.init_from and explicit_shape:
         flags = " ".join(f"--{n}" for n in explicit_shape)
         raise ConfigError(f"--init_from {cfg.init_from} sets the model's shape: drop {flags}")
-    if cfg.generate and (cfg.eval_only or world_size > 1):
-        raise ConfigError("--generate runs alone in one process: drop --eval_only, and use python, "
-                          "not torchrun")
-    if cfg.export_hf and (not cfg.init_from or cfg.generate or cfg.eval_only or world_size > 1):
-        raise ConfigError("--export_hf runs alone in one process and needs --init_from with the "
-                          "checkpoint to export: add it, drop --generate and --eval_only, and use "
-                          "python, not torchrun")
+    torchrun = ["use python, not torchrun"] * (world_size > 1)
+    if cfg.generate and (cfg.eval_only or torchrun):
+        fixes = ["drop --eval_only"] * cfg.eval_only + torchrun
+        raise ConfigError(f"--generate runs alone in one process: {', and '.join(fixes)}")
+    if cfg.export_hf and (not cfg.init_from or cfg.generate or cfg.eval_only or torchrun):
+        fixes = (["add --init_from with the weights to export"] * (not cfg.init_from)
+                 + [f"drop --{mode}" for mode in ("generate", "eval_only") if getattr(cfg, mode)]
+                 + torchrun)
+        raise ConfigError(f"--export_hf runs alone in one process: {', and '.join(fixes)}")
     if cfg.hellaswag_path and not os.path.isfile(cfg.hellaswag_path):
         raise ConfigError(f"--hellaswag_path {cfg.hellaswag_path} does not exist: give "
                           "hellaswag_val.jsonl's path")
@@ -1023,7 +1064,7 @@ def check_same_command(cfg: TrainConfig | None, problem: ConfigError | None, lau
         raise error
 
 
-# ----------------------------------------------------------------------------- setting up a run
+# ------------------------------------------------------------ setting up a run
 
 
 def write_atomically(path: str, write) -> None:
@@ -1050,7 +1091,7 @@ def download(url: str, path: str, fix: str) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         write_atomically(path, lambda temporary: Path(temporary).write_bytes(data))
     except OSError as error:
-        raise ConfigError(f"could not download {url} to {path} ({error}): {fix}") from None
+        raise DownloadError(f"could not download {url} to {path} ({error}): {fix}") from None
 
 
 def open_data(cfg: TrainConfig, launch: Launch, with_val: bool) -> tuple[DataLoader, DataLoader]:
@@ -1081,7 +1122,7 @@ def open_hellaswag(cfg: TrainConfig, launch: Launch, block_size: int) -> list[tu
     batches; a model too short for its longest example is refused before training."""
     path = cfg.hellaswag_path or HELLASWAG_CACHE
     if not os.path.exists(path):
-        download(HELLASWAG_URL, path, "pass --hellaswag_path with a local copy")
+        download(HELLASWAG_URL, path, "pass --hellaswag_path with a local copy of it")
     examples, tokenizer = read_hellaswag(path), gpt2_tokenizer()
     rendered = [render_hellaswag(example, tokenizer)
                 for example in examples[launch.rank :: launch.world_size]]
@@ -1159,7 +1200,7 @@ class PreparedRun:
     tokenizer: typing.Any  # for samples
 
 
-def prepare_training(cfg: TrainConfig, launch: Launch, device: str, log: "MetricsLog") -> PreparedRun:
+def prepare_training(cfg: TrainConfig, launch: Launch, device: str, log) -> PreparedRun:
     """Every rank opens the data, builds the model and finds the checkpoint to resume. A problem on
     any rank stops them all, and they must have found the same data and checkpoint: machines with
     their own copies (one still being copied, or made with other flags) could differ."""
@@ -1167,12 +1208,19 @@ def prepare_training(cfg: TrainConfig, launch: Launch, device: str, log: "Metric
     try:
         if launch.rank == 0:
             make_log_dir(cfg.log_dir)
+        earlier = checkpoint_paths(cfg.log_dir)
+        if earlier and not cfg.resume:  # a later --resume auto would take them for this run's
+            raise ConfigError(f"--log_dir {cfg.log_dir} holds an earlier run's checkpoints "
+                              f"({os.path.basename(earlier[0])}): continue it with --resume auto, "
+                              "or pass another --log_dir, or delete them")
         train_loader, val_loader = open_data(cfg, launch, with_val=cfg.eval_every > 0)
         model = build_model(cfg, device)
         checkpoint = find_resume_checkpoint(cfg, log.say)
         if checkpoint is not None:
             check_resumable(checkpoint, cfg, model.config)
-        hellaswag = open_hellaswag(cfg, launch, model.config.block_size) if cfg.hellaswag_every else []
+        hellaswag = []
+        if cfg.hellaswag_every:
+            hellaswag = open_hellaswag(cfg, launch, model.config.block_size)
         if cfg.fp8:
             convert_to_float8(model)
         tokenizer = gpt2_tokenizer() if cfg.sample_every else None
@@ -1193,13 +1241,15 @@ def prepare_training(cfg: TrainConfig, launch: Launch, device: str, log: "Metric
         raise ConfigError(f"the ranks found different checkpoints (steps {list(steps)}): put "
                           "--log_dir on storage that every machine shares, or pass --resume PATH")
     if device.startswith("cpu") and count_parameters(run.model) > 10**8:
-        log.say("hint: these are GPT-2 124M's GPU settings; on a CPU, start with the README's quick "
-                "start (a small model on tiny Shakespeare)")
+        log.say("hint: these are GPT-2 124M's GPU settings; on a CPU, start with the README's "
+                "quick start (a small model on tiny Shakespeare)")
     log.begin(run.checkpoint and run.checkpoint["step"])
+    if launch.rank == 0:
+        remove_killed_writes(cfg.log_dir)
     return run
 
 
-# ----------------------------------------------------------------------------- weights to start from
+# ------------------------------------------------------------ weights to start from
 
 # OpenAI's checkpoint stores these as Conv1D weights, (in, out): nn.Linear wants (out, in)
 OPENAI_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
@@ -1207,7 +1257,7 @@ OPENAI_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weigh
 
 
 def state_from_openai(hf_state: dict) -> dict:
-    """transformers' GPT2LMHeadModel state in our names (the same; 4 matrices a block transposed)."""
+    """transformers' GPT2LMHeadModel state in our names (the same, 4 matrices transposed)."""
     return {name: tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor
             for name, tensor in hf_state.items()
             if not name.endswith((".attn.bias", ".attn.masked_bias"))}  # older versions' masks
@@ -1227,30 +1277,44 @@ def state_to_openai(state: dict, vocab_size: int) -> dict:
 
 
 def load_openai_weights(name: str) -> dict:
+    """OpenAI's weights through transformers: from its cache, else from the Hugging Face hub."""
+    import logging
+
+    logging.disable(logging.WARNING)  # transformers' imports warn about optional packages
     try:
         from transformers import GPT2LMHeadModel  # only this path needs it
+        from huggingface_hub.constants import ENDPOINT
     except ImportError:
         raise ConfigError(f"--init_from {name} needs the transformers library: pip install "
                           "transformers") from None
+    finally:
+        logging.disable(logging.NOTSET)
     try:
+        return state_from_openai(GPT2LMHeadModel.from_pretrained(name, local_files_only=True)
+                                 .state_dict())
+    except OSError:  # not downloaded yet: offline, the hub client retries for half a minute
+        pass
+    try:
+        url = urllib.parse.urlsplit(ENDPOINT)
+        socket.create_connection((url.hostname, url.port or 443), timeout=10).close()
         return state_from_openai(GPT2LMHeadModel.from_pretrained(name).state_dict())
     except OSError as error:
-        raise ConfigError(f"cannot load {name} from the Hugging Face hub "
-                          f"({str(error).splitlines()[0]}): check the network") from None
+        raise ConfigError(f"cannot download {name} from {ENDPOINT} ({str(error).splitlines()[0]}): "
+                          "connect to the network, or give a checkpoint") from None
 
 
 def initial_weights(cfg: TrainConfig) -> tuple[GPTConfig, dict | None]:
-    """The model's shape and the weights to start from: None for a fresh model of the flags' shape."""
+    """The model's shape and the weights to start from (None: fresh ones of the flags' shape)."""
     if not cfg.init_from:
         return GPTConfig(*model_shape(cfg), cfg.block_size, cfg.vocab_size), None
     if cfg.init_from in MODEL_SHAPES:  # as released: 1024 positions and the 50257 real tokens
         return (GPTConfig(*MODEL_SHAPES[cfg.init_from], 1024, GPT2_VOCAB_SIZE),
                 load_openai_weights(cfg.init_from))
-    checkpoint = load_checkpoint(cfg.init_from)
+    checkpoint = load_checkpoint(cfg.init_from, "--init_from")
     return GPTConfig(**checkpoint["model_config"]), checkpoint["model"]
 
 
-# ----------------------------------------------------------------------------- checkpoints
+# ------------------------------------------------------------ checkpoints
 
 # What a resumed run must share with its checkpoint: the model's shape, and what numbers the data
 # stream and the schedule (a step is total_batch_size tokens in windows of seq_len)
@@ -1278,8 +1342,8 @@ def save_checkpoint(path: str, state: dict, keep: int) -> None:
     data), then keep only the `keep` newest checkpoints."""
     try:
         write_atomically(path, lambda temporary: torch.save(state, temporary))
-        digest = file_sha256(path)
-        write_atomically(f"{path}.sha256", lambda temporary: Path(temporary).write_text(digest + "\n"))
+        line = file_sha256(path) + "\n"
+        write_atomically(f"{path}.sha256", lambda temporary: Path(temporary).write_text(line))
     except OSError as error:  # a full disk, a quota, a lost mount: the older checkpoints are whole
         raise ConfigError(f"cannot write checkpoint {path} ({error.strerror or error}): make room "
                           f"in {os.path.dirname(path) or '.'} and run the same command with "
@@ -1291,24 +1355,56 @@ def save_checkpoint(path: str, state: dict, keep: int) -> None:
         for stale in (old, f"{old}.sha256"):
             if os.path.exists(stale):
                 os.remove(stale)
+    remove_killed_writes(os.path.dirname(path))
 
 
-def load_checkpoint(path: str) -> dict:
+def remove_killed_writes(log_dir: str) -> None:
+    """A checkpoint write killed part way (kill -9) leaves its temporary file: 1.5 GB at 124M."""
+    for temporary in glob.glob(os.path.join(log_dir, "ckpt_*.pt*.tmp")):
+        os.remove(temporary)
+
+
+CHECKPOINT_KEYS = {"model", "model_config", "optimizer", "scaler", "step", "config",
+                   "windows_consumed", "rng"}
+
+
+def load_checkpoint(path: str, flag: str = "--resume") -> dict:
+    """A checkpoint this script wrote, checked against its sha256; a ConfigError names what is
+    wrong with the file and what to pass instead."""
     if not os.path.isfile(path):
         raise ConfigError(f"no such checkpoint file: {path}")
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":  # torch.save writes zip files
+            raise ConfigError(f"{flag} {path} is not a checkpoint (not a file torch.save wrote): "
+                              "give a ckpt_<step>.pt from a --log_dir")
     checksum_path = f"{path}.sha256"
-    if os.path.exists(checksum_path) and Path(checksum_path).read_text().strip() != file_sha256(path):
-        raise ConfigError(f"checkpoint {path} is corrupt (its sha256 differs from {checksum_path}): "
-                          "resume from an older checkpoint")
+    if os.path.exists(checksum_path) and Path(checksum_path).read_text().strip() != \
+            file_sha256(path):
+        raise ConfigError(f"checkpoint {path} is corrupt (its sha256 differs from "
+                          f"{checksum_path}): resume from an older checkpoint")
     try:
         # On the CPU: straight to the GPU it can run out of memory next to the model. Mapped, not
         # read: the file's pages in the page cache are one copy for all processes of a machine
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # a truncated or foreign file fails in many ways, all alike to users
-        raise ConfigError(f"cannot read checkpoint {path} ({str(error).splitlines()[0]}): "
-                          "resume from an older checkpoint") from None
+        fix = "resume from an older checkpoint" if flag == "--resume" else "give another checkpoint"
+        raise ConfigError(f"cannot read checkpoint {path} ({str(error).splitlines()[0]}): {fix}") \
+            from None
+    if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
+        holds = f"keys {', '.join(map(str, checkpoint))}" if isinstance(checkpoint, dict) else \
+            type(checkpoint).__name__
+        raise ConfigError(f"{flag} {path} is not a checkpoint of train_gpt2.py (it holds {holds}): "
+                          "give a ckpt_<step>.pt from a --log_dir")
     checkpoint["path"] = path
     return checkpoint
+
+
+def checkpoint_config(path: str) -> dict:
+    """The flags a checkpoint was trained with; empty if it cannot be read (loading it says why)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["config"]
+    except Exception:
+        return {}
 
 
 def find_resume_checkpoint(cfg: TrainConfig, say) -> dict | None:
@@ -1355,8 +1451,8 @@ def restore_rng_states(states: dict, device: str) -> None:
         torch.cuda.set_rng_state(states["torch_cuda"][0], device)
 
 
-def restore_checkpoint(checkpoint: dict | None, model: GPT, optimizer, scaler, loader: DataLoader,
-                       device: str, log: "MetricsLog") -> int:
+def restore_checkpoint(checkpoint: dict | None, cfg: TrainConfig, model: GPT, optimizer, scaler,
+                       loader: DataLoader, device: str, log: "MetricsLog") -> int:
     """Load a checkpoint's weights, AdamW state, scaler, data position and RNG; the step to go on
     from (0 without one)."""
     if checkpoint is None:
@@ -1366,16 +1462,25 @@ def restore_checkpoint(checkpoint: dict | None, model: GPT, optimizer, scaler, l
     if checkpoint["scaler"]:
         scaler.load_state_dict(checkpoint["scaler"])
     loader.windows_consumed = checkpoint["windows_consumed"]
-    saved_tokens, tokens = checkpoint["train_tokens"], loader.stream.num_tokens
+    tokens = loader.stream.num_tokens
+    saved_tokens = checkpoint.get("train_tokens", tokens)  # older checkpoints did not store it
     if saved_tokens != tokens:
         log.say(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
                 f"{saved_tokens:,}: the stored data position no longer points at the same tokens "
                 "(some will be read twice or skipped); resume with the checkpoint's data to go on "
                 "exactly")
     restore_rng_states(checkpoint["rng"], device)
-    log.say(f"resumed from step {checkpoint['step']} ({checkpoint['windows_consumed']:,} windows "
-            "into the data)")
-    return checkpoint["step"]
+    saved, step = checkpoint["config"], checkpoint["step"]
+    schedule = ("max_lr", "min_lr_ratio", "warmup_steps", "max_steps")
+    changed = [f"--{name} {saved[name]} -> {getattr(cfg, name)}" for name in schedule
+               if saved[name] != getattr(cfg, name)]
+    if changed:  # allowed (extending a finished run is), but the learning rate jumps
+        old_cfg = dataclasses.replace(cfg, **{name: saved[name] for name in schedule})
+        log.say(f"warning: the learning-rate schedule differs from the checkpoint's "
+                f"({', '.join(changed)}): at step {step} it goes on at {lr_at(step, cfg):.4e} "
+                f"instead of {lr_at(step, old_cfg):.4e}")
+    log.say(f"resumed from step {step} ({checkpoint['windows_consumed']:,} windows into the data)")
+    return step
 
 
 def write_checkpoint(cfg: TrainConfig, launch: Launch, device: str, model: GPT, optimizer, scaler,
@@ -1391,7 +1496,8 @@ def write_checkpoint(cfg: TrainConfig, launch: Launch, device: str, model: GPT, 
                  "windows_consumed": loader.windows_consumed,
                  "train_tokens": loader.stream.num_tokens, "rng": rng_states(device)}
         try:
-            save_checkpoint(os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt"), state, cfg.keep_ckpts)
+            path = os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt")
+            save_checkpoint(path, state, cfg.keep_ckpts)
         except ConfigError as error:
             problem = str(error)
     if error := first_problem(gather(problem, launch)):
@@ -1438,6 +1544,13 @@ class StopSignal:
             signal.signal(signum, handler)
 
 
+def stop_on_bad_tokens(loaders: list, launch: Launch, device: str) -> None:
+    """Stop every rank when one read a token id beyond the vocabulary (its loader named it)."""
+    problem = next((loader.problem for loader in loaders if loader and loader.problem), None)
+    if any_rank(problem is not None, launch, device):
+        raise first_problem(gather(problem, launch))
+
+
 def any_rank(flag: bool, launch: Launch, device: str) -> bool:
     """True on every rank if true on any: torchrun forwards a signal to all, a scheduler may not."""
     if not launch.torchrun:
@@ -1447,7 +1560,7 @@ def any_rank(flag: bool, launch: Launch, device: str) -> bool:
     return bool(value.item())
 
 
-# ----------------------------------------------------------------------------- logging
+# ------------------------------------------------------------ logging
 
 
 def make_log_dir(log_dir: str) -> None:
@@ -1528,7 +1641,8 @@ class MetricsLog:
         """Redraw <log_dir>/loss.png from the records so far; without matplotlib, say so once."""
         png_path = os.path.join(os.path.dirname(self.path), "loss.png")
         if self.active and not plot_metrics(self.path, png_path) and not self.plot_hint_given:
-            self.say(f"{png_path} not written: matplotlib is not installed (pip install matplotlib)")
+            self.say(f"{png_path} not written: matplotlib is not installed (pip install "
+                     "matplotlib)")
             self.plot_hint_given = True
 
 
@@ -1633,7 +1747,7 @@ def make_profiler(cfg: TrainConfig, device_type: str, start_step: int, log: Metr
     return profiler
 
 
-# ----------------------------------------------------------------------------- other run modes
+# ------------------------------------------------------------ other run modes
 
 
 def generate_samples(cfg: TrainConfig, device: str) -> list[str]:
@@ -1649,25 +1763,34 @@ def generate_samples(cfg: TrainConfig, device: str) -> list[str]:
 
 
 def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
-    """--eval_only: the validation loss and HellaSwag accuracy of --init_from's (or fresh) weights."""
-    problem = None
+    """--eval_only: the val loss and HellaSwag accuracy of --init_from's (or fresh) weights; the val
+    loss alone where HellaSwag's file cannot be downloaded."""
+    problem, hellaswag, missing = None, None, None
     try:
         _, val_loader = open_data(cfg, launch, with_val=True)
         model = build_model(cfg, device)
-        hellaswag = open_hellaswag(cfg, launch, model.config.block_size)
+        try:
+            hellaswag = open_hellaswag(cfg, launch, model.config.block_size)
+        except DownloadError as error:
+            missing = f"HellaSwag skipped: {error}"
     except ConfigError as error:
         problem = str(error)
-    if error := first_problem(gather(problem, launch)):
+    posts = gather((problem, missing), launch)
+    if error := first_problem([problem for problem, _ in posts]):
         raise error
+    missing = next((missing for _, missing in posts if missing), None)  # all skip it, or none
     _, autocast = precision(cfg, device.split(":")[0])
     accum_steps = grad_accum_steps(cfg, launch.world_size)
     result = {"val_loss": estimate_val_loss(model, val_loader, cfg.eval_steps, accum_steps, device,
-                                            autocast, launch),
-              **evaluate_hellaswag(model, hellaswag, device, autocast, launch)}
+                                            autocast, launch)}
+    stop_on_bad_tokens([val_loader], launch, device)
+    if missing is None:
+        result.update(evaluate_hellaswag(model, hellaswag, device, autocast, launch))
     if launch.rank == 0:
-        print(f"val loss {result['val_loss']:.4f} | HellaSwag acc_norm "
-              f"{result['hellaswag_acc_norm']:.4f} (acc {result['hellaswag_acc']:.4f}) over "
-              f"{result['hellaswag_examples']:,} examples", flush=True)
+        print(f"val loss {result['val_loss']:.4f} | " + (missing or (
+            f"HellaSwag acc_norm {result['hellaswag_acc_norm']:.4f} (acc "
+            f"{result['hellaswag_acc']:.4f}) over {result['hellaswag_examples']:,} examples")),
+            flush=True)
     return result
 
 
@@ -1694,7 +1817,7 @@ def export_hf(cfg: TrainConfig) -> str:
     return cfg.export_hf
 
 
-# ----------------------------------------------------------------------------- main
+# ------------------------------------------------------------ main
 
 
 def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str:

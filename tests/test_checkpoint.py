@@ -218,14 +218,15 @@ def test_a_checkpoint_is_mapped_not_copied_and_writes_to_it_stay_in_the_process(
     cache; read, each held its own in private memory (8 x 19 GB for GPT-2 XL). On the CPU AdamW's moments are
     updated in place in the loaded tensors: the file must not change under them."""
     path = str(tmp_path / "ckpt_1.pt")
-    t.save_checkpoint(path, {"weights": torch.ones(2**25)}, keep=0)  # 128 MiB of float32
+    checkpoint = {key: {} for key in t.CHECKPOINT_KEYS}
+    t.save_checkpoint(path, {**checkpoint, "model": {"weights": torch.ones(2**25)}}, keep=0)  # 128 MiB of float32
     before = resident_gib()["RssAnon"]
-    weights = t.load_checkpoint(path)["weights"]
+    weights = t.load_checkpoint(path)["model"]["weights"]
     assert weights.sum().item() == 2**25  # every page read
     assert (resident_gib()["RssAnon"] - before) * 1024 < 16  # MiB; read into private memory, it grew by 128 MiB
     weights.add_(1)
     assert t.file_sha256(path) == Path(f"{path}.sha256").read_text().strip()
-    assert t.load_checkpoint(path)["weights"].sum().item() == 2**25
+    assert t.load_checkpoint(path)["model"]["weights"].sum().item() == 2**25
 
 
 def test_corrupt_checkpoint_is_caught_by_its_checksum(two_checkpoints):
@@ -320,3 +321,74 @@ def test_sigterm_to_torchrun_checkpoints_once_and_every_rank_exits_cleanly(tmp_p
     assert out.count("stopped by a signal") == 1, out + err
     assert len(list(tmp_path.glob("ckpt_*.pt"))) == 1
     assert "exitcode  : 1" not in err and "Traceback (most recent call last):\n  File \"" + str(ROOT) not in err
+
+
+def not_a_checkpoint(tmp_path, kind):
+    path = tmp_path / f"{kind}.pt"
+    if kind == "dict":
+        torch.save({"a": 1}, path)
+    elif kind == "tensor":
+        torch.save(torch.ones(3), path)
+    elif kind == "text":
+        path.write_text("notes, not weights\n")
+    else:
+        path.write_bytes(os.urandom(4096))
+    holds = {"dict": "keys a", "tensor": "Tensor"}.get(kind)
+    what = f"not a checkpoint of train_gpt2.py (it holds {holds})" if holds else \
+        "not a checkpoint (not a file torch.save wrote)"
+    return path, what
+
+
+@pytest.mark.parametrize("kind", ["dict", "tensor", "text", "random bytes"])
+@pytest.mark.parametrize("flags", [["--resume", "{path}"], ["--init_from", "{path}", "--generate"],
+                                   ["--init_from", "{path}", "--export_hf", "{tmp}/hf"]])
+def test_a_file_that_is_not_our_checkpoint_is_one_line_naming_what_it_is(tmp_path, capsys, kind, flags):
+    """They were KeyError: 'config', KeyError: 'model_config' or TypeError tracebacks, or, for a file torch.save did
+    not write, mmap jargon and "resume from an older checkpoint"."""
+    path, what = not_a_checkpoint(tmp_path, kind)
+    args = [arg.format(path=path, tmp=tmp_path) for arg in flags]
+    with pytest.raises(SystemExit) as stopped:
+        t.main(t.parse_args((EIGHT_STEPS if args[0] == "--resume" else ["--device", "cpu"]) + args))
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == f"error: {args[0]} {path} is {what}: give a ckpt_<step>.pt from a --log_dir\n"
+
+
+def test_a_write_killed_part_way_leaves_no_temporary_file_behind(tmp_path):
+    """kill -9 while saving leaves ckpt_N.pt.<host>-<pid>.tmp (1.5 GB at 124M): the next run's start removes it."""
+    run(["--stop_after_steps", "2"], tmp_path)
+    killed = tmp_path / "ckpt_4.pt.somehost-12345.tmp"
+    killed.write_bytes(b"PK\x03\x04 the first megabytes of a checkpoint")
+    run(["--resume", "auto", "--stop_after_steps", "2"], tmp_path)
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == ["ckpt_2.pt", "ckpt_2.pt.sha256", "ckpt_4.pt",
+                                                             "ckpt_4.pt.sha256"]
+
+
+def test_a_fresh_run_over_an_earlier_runs_checkpoints_is_refused(tmp_path, capsys):
+    """It overwrote the metrics and left the checkpoints, which a later --resume auto then took for its own."""
+    run(["--max_steps", "3", "--warmup_steps", "1"], tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(SystemExit) as stopped:
+        run([], tmp_path)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (f"error: --log_dir {tmp_path} holds an earlier run's checkpoints (ckpt_3.pt): "
+                                       "continue it with --resume auto, or pass another --log_dir, or delete them\n")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_resuming_with_another_schedule_says_how_the_learning_rate_jumps(tmp_path, capsys):
+    """Extending a finished run is allowed; its cosine restarts from a new length, which one warning line says."""
+    run(["--max_steps", "4", "--warmup_steps", "1"], tmp_path)
+    capsys.readouterr()
+    result = run(["--max_steps", "8", "--warmup_steps", "1", "--resume", "auto"], tmp_path)
+    old, new = t.parse_args(EIGHT_STEPS + ["--max_steps", "4", "--warmup_steps", "1"]), \
+        t.parse_args(EIGHT_STEPS + ["--warmup_steps", "1"])
+    assert (f"warning: the learning-rate schedule differs from the checkpoint's (--max_steps 4 -> 8): at step 4 it "
+            f"goes on at {t.lr_at(4, new):.4e} instead of {t.lr_at(4, old):.4e}") in capsys.readouterr().out
+    assert t.lr_at(4, old) == pytest.approx(3e-4)  # the minimum: the old run had ended
+    assert [r["lr"] for r in result.records if "lr" in r][0] == t.lr_at(4, new) > 6 * t.lr_at(4, old)
+
+
+def test_ckpt_every_0_writes_no_checkpoint(tmp_path):
+    """The benchmark command: it used to write one at the end anyway (1.49 GB at 124M)."""
+    run(["--max_steps", "3", "--warmup_steps", "1", "--ckpt_every", "0"], tmp_path)
+    assert list(tmp_path.glob("ckpt_*")) == [] and (tmp_path / "metrics.jsonl").exists()

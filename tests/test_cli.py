@@ -181,7 +181,9 @@ def test_help_explains_every_flag():
         (["--num_samples", "0"], "--num_samples (0) must be at least 1 and --max_new_tokens (32) 0 or more"),
         (["--top_k", "0"], "--top_k (0) must be at least 1 and --temperature (1.0) above 0"),
         (["--init_from", "gpt5"], "--init_from gpt5 is neither gpt2, gpt2-medium, gpt2-large, gpt2-xl nor a checkpoint file"),
-        (["--generate", "--eval_only"], "--generate runs alone in one process: drop --eval_only, and use python, not torchrun"),
+        (["--generate", "--eval_only"], "--generate runs alone in one process: drop --eval_only"),
+        (["--init_from", "gpt2", "--resume", "auto"],
+         "--init_from starts a new run from its weights and --resume continues an earlier one: drop one of the two"),
         (["--hellaswag_path", "/nowhere/hs.jsonl"],
          "--hellaswag_path /nowhere/hs.jsonl does not exist: give hellaswag_val.jsonl's path"),
         (["--text_file", "/nowhere/input.txt"],
@@ -194,6 +196,12 @@ def test_more_config_mistakes(args, message):
     with pytest.raises(t.ConfigError) as raised:
         t.check_config(t.parse_args(TINY_ARGS + args), world_size=1)
     assert str(raised.value) == message
+
+
+def test_generate_under_torchrun_names_only_that():
+    with pytest.raises(t.ConfigError) as raised:
+        t.check_config(t.parse_args(TINY_ARGS + ["--generate"]), world_size=2)
+    assert str(raised.value) == "--generate runs alone in one process: use python, not torchrun"
 
 
 def test_one_gpu_named_for_several_processes():

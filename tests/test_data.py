@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import train_gpt2 as t
-from conftest import SHAKESPEARE
+from conftest import SHAKESPEARE, TINY_ARGS
 
 
 def arange_stream(n, pieces=1):
@@ -175,6 +175,40 @@ def test_unreadable_shard_is_named(tmp_path):
     (tmp_path / "tiny_train_000001.npy").write_bytes(b"not a numpy file")
     with pytest.raises(t.ConfigError, match=r"cannot read shard .*tiny_train_000001.npy"):
         t.load_token_streams(t.parse_args(["--data_dir", str(tmp_path)]))
+
+
+@pytest.mark.parametrize("content", [b"", b"\x93NUMP", b"not a numpy file at all"])  # 0 bytes, 5, no magic
+def test_a_shard_that_is_no_npy_file_is_named_without_blaming_pickles(tmp_path, content):
+    """0 bytes was an EOFError traceback; the others were said to hold "pickled (object) data"."""
+    write_shards(tmp_path, {"val": [50], "train": [30]})
+    (tmp_path / "tiny_train_000000.npy").write_bytes(content)
+    with pytest.raises(t.ConfigError) as raised:
+        t.load_token_streams(t.parse_args(["--data_dir", str(tmp_path)]))
+    assert str(raised.value) == (f"cannot read shard {tmp_path / 'tiny_train_000000.npy'}: it is not a .npy file "
+                                 "(empty, cut short or another format): delete it and rerun fineweb.py")
+
+
+def shards_with_a_token_beyond_the_vocabulary(folder, position):
+    """Train shards of 150 and 850 tokens, all ids below 1,000 but one of 60,000 at token `position`."""
+    tokens = np.arange(1000, dtype=np.uint16)
+    tokens[position] = 60_000
+    np.save(folder / "bad_train_000001.npy", tokens[:150])
+    np.save(folder / "bad_train_000002.npy", tokens[150:])
+    np.save(folder / "bad_val_000000.npy", np.arange(300, dtype=np.uint16))
+
+
+def test_a_token_beyond_the_vocabulary_is_named_with_its_shard_and_never_reaches_the_model(tmp_path, capsys):
+    """Another tokenizer's shards: step 0 raised IndexError in the embedding (on a GPU, a device-side assert)."""
+    shards_with_a_token_beyond_the_vocabulary(tmp_path, 200)
+    args = TINY_ARGS[: TINY_ARGS.index("--text_file")] + ["--data_dir", str(tmp_path), "--no-shuffle",
+                                                          "--log_dir", str(tmp_path / "log")]
+    with pytest.raises(SystemExit) as stopped:
+        t.main(t.parse_args(args))
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'bad_train_000002.npy'} holds token id 60000, beyond "
+                                       "GPT-2's 50257 tokens (made with another tokenizer?): remake the shards with "
+                                       "fineweb.py\n")
+    assert list((tmp_path / "log").glob("ckpt_*")) == []  # nothing saved from that step
 
 
 def test_download_writes_the_whole_file_and_nothing_else(tmp_path):

@@ -147,6 +147,20 @@ def test_a_data_error_only_one_rank_sees_is_told_once_and_stops_every_rank(tmp_p
     assert "exitcode  : 2" in result.stderr and "step " not in result.stdout
 
 
+def test_a_token_beyond_the_vocabulary_on_one_rank_stops_every_rank_with_one_line(tmp_path):
+    """Rank 1 alone reads the bad token (windows 4-7, tokens 128-256, at step 0); the ranks stop together at the end
+    of the step, rank 0 telling it."""
+    from test_data import shards_with_a_token_beyond_the_vocabulary
+
+    shards_with_a_token_beyond_the_vocabulary(tmp_path, 200)
+    flags = TINY_ARGS[: TINY_ARGS.index("--text_file")] + ["--data_dir", str(tmp_path), "--no-shuffle"]
+    result = torchrun(2, ["train_gpt2.py"] + flags + ["--log_dir", str(tmp_path / "log")])
+    assert_every_rank_stopped_with_one_line(
+        result, f"error: {tmp_path / 'bad_train_000002.npy'} holds token id 60000, beyond GPT-2's 50257 tokens (made "
+                "with another tokenizer?): remake the shards with fineweb.py (on rank 1)")
+    assert "exitcode  : 2" in result.stderr.split("Root Cause")[1] and "IndexError" not in result.stderr
+
+
 def test_ranks_that_read_different_data_are_refused_with_one_line(tmp_path):
     result = torchrun(2, [ENTRY, "short_data", "1"] + TINY_ARGS + ["--eval_every", "5", "--log_dir", str(tmp_path)])
     assert_every_rank_stopped_with_one_line(result, "error: the ranks read different data ((train, val) tokens on each: "

@@ -50,7 +50,7 @@ def test_metrics_file_holds_every_record_and_a_summary(tmp_path):
 
 
 def test_a_new_run_starts_a_fresh_metrics_file(tmp_path):
-    run(["--max_steps", "3"], tmp_path)
+    run(["--max_steps", "3", "--ckpt_every", "0"], tmp_path)  # with checkpoints, it would be refused
     run(["--max_steps", "2"], tmp_path)
     lines = (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line).get("step") for line in lines] == [0, 1, None]  # 2 steps and the summary
