@@ -432,9 +432,9 @@ def open_shard(path: str) -> np.ndarray:
     except (ValueError, EOFError):  # numpy calls a file without .npy's header "pickled data"
         raise ConfigError(f"cannot read shard {path}: it is not a .npy file (empty, cut short or "
                           "another format): delete it and rerun fineweb.py") from None
-    if tokens.dtype != np.uint16 or tokens.ndim != 1 or len(tokens) < 2:
+    if tokens.dtype != np.uint16 or tokens.ndim != 1 or len(tokens) < 1:
         raise ConfigError(f"shard {path} holds {tokens.dtype} of shape {tokens.shape}, not a 1-D "
-                          "uint16 array of at least 2 tokens: rerun fineweb.py")
+                          "uint16 array of tokens: rerun fineweb.py")
     return tokens
 
 

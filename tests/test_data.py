@@ -170,6 +170,13 @@ def test_shard_of_the_wrong_dtype_is_named(tmp_path):
         t.load_token_streams(t.parse_args(["--data_dir", str(tmp_path)]))
 
 
+def test_a_last_shard_of_one_token_is_read(tmp_path):
+    """fineweb.py writes the rest of the stream as the last shard: 1,026 tokens in shards of 1,025 leave one."""
+    write_shards(tmp_path, {"val": [50], "train": [30, 1]})
+    train, _ = t.load_token_streams(t.parse_args(["--data_dir", str(tmp_path)]))
+    assert train.num_tokens == 31 and train.read(25, 6).tolist() == list(range(25, 31))
+
+
 def test_unreadable_shard_is_named(tmp_path):
     write_shards(tmp_path, {"val": [50], "train": [30]})
     (tmp_path / "tiny_train_000001.npy").write_bytes(b"not a numpy file")
