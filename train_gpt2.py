@@ -145,7 +145,7 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 
 def parse_args(argv: list[str]) -> TrainConfig:
     """Every TrainConfig field is a --flag with its help line. An --init_from checkpoint gives the
-    batch shape it was trained with, unless flags give it."""
+    batch shape and evaluation length it was trained with, unless flags give them."""
     parser = _OneLineErrorParser(description="Pretrain GPT-2 (defaults: the 124M recipe on GPUs).")
     for f in dataclasses.fields(TrainConfig):
         help_text = f.metadata["help"]
@@ -162,7 +162,7 @@ def parse_args(argv: list[str]) -> TrainConfig:
     cfg = TrainConfig(**given)
     if os.path.isfile(cfg.init_from):
         saved = checkpoint_config(cfg.init_from)
-        for name in ("seq_len", "micro_batch_size", "total_batch_size"):
+        for name in ("seq_len", "micro_batch_size", "total_batch_size", "eval_steps"):
             if name not in given and name in saved:
                 setattr(cfg, name, saved[name])
     return cfg

@@ -26,7 +26,9 @@ def write_checkpoint(path: str) -> None:
     tokens = torch.randint(0, 50257, (1, 16), generator=torch.Generator().manual_seed(0))
     model(tokens, tokens).backward()
     optimizer.step()  # creates AdamW's two moments for every weight
-    train_gpt2.save_checkpoint(path, {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, keep=0)
+    state = {"model": model.state_dict(), "model_config": vars(model.config), "optimizer": optimizer.state_dict(),
+             "scaler": {}, "step": 1, "config": {}, "windows_consumed": 0, "rng": {}}  # what a checkpoint holds
+    train_gpt2.save_checkpoint(path, state, keep=0)
 
 
 def resident_gib() -> dict[str, float]:

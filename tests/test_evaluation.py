@@ -372,9 +372,9 @@ def test_eval_only_on_a_runs_checkpoint_takes_its_batch_shape_and_without_hellas
     monkeypatch.setattr(t, "HELLASWAG_URL", "http://127.0.0.1:9/hellaswag_val.jsonl")  # refused at once
     monkeypatch.setattr(t, "HELLASWAG_CACHE", str(tmp_path / "cache" / "hellaswag_val.jsonl"))
     capsys.readouterr()
-    cfg = t.parse_args(["--eval_only", "--init_from", str(tmp_path / "log" / "ckpt_3.pt"), "--eval_steps", "2",
+    cfg = t.parse_args(["--eval_only", "--init_from", str(tmp_path / "log" / "ckpt_3.pt"),
                         "--text_file", TINY_ARGS[TINY_ARGS.index("--text_file") + 1], "--device", "cpu"])
-    assert (cfg.seq_len, cfg.micro_batch_size, cfg.total_batch_size) == (32, 4, 256)  # the checkpoint's
+    assert (cfg.seq_len, cfg.micro_batch_size, cfg.total_batch_size, cfg.eval_steps) == (32, 4, 256, 2)  # its
     result = t.main(cfg)
     val_loss = [r["val_loss"] for r in trained.records if "val_loss" in r][-1]
     assert result == {"val_loss": val_loss}  # the same weights on the same windows
