@@ -44,6 +44,7 @@ prepare() {
     [ -e "$needed" ] || { echo "prepare reads the team's data beside the repository: $needed is missing"; exit 2; }
   done
   mkdir -p "$BENCH/wheels" "$BENCH/old"
+  mkdir -p .git/info  # a fresh clone may lack it
   grep -qxF '/.bench/' .git/info/exclude 2>/dev/null || echo '/.bench/' >> .git/info/exclude
   cp -r ../shared/tiktoken_cache "$BENCH/"
   cp ../shared/data/tinyshakespeare.txt "$BENCH/input.txt"
