@@ -74,8 +74,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise ConfigError(f"--prefix {cfg.prefix} holds a {os.sep!r}: it starts the shards' file "
                           "names, and --out_dir is their folder")
     if cfg.resume and cfg.overwrite:
-        raise ConfigError("--resume keeps out_dir's shards and --overwrite deletes them: pass one of "
-                          "the two")
+        raise ConfigError("--resume keeps out_dir's shards and --overwrite deletes them: pass "
+                          "one of the two")
     return cfg
 
 
