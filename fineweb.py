@@ -143,16 +143,21 @@ def input_files(patterns: list[str]) -> list[str]:
         if os.path.isdir(path):
             raise ConfigError(f"--input {path} is a folder: give its files, as in "
                               f"'{os.path.join(path, '*.jsonl')}'")
-        if not path.endswith(tuple(READERS)):
-            raise ConfigError(f"{path}: unknown file type; use {', '.join(READERS)}")
+        reader_for(path)
     return paths
+
+
+def reader_for(path: str):
+    suffix = next((suffix for suffix in READERS if path.endswith(suffix)), None)
+    if suffix is None:
+        raise ConfigError(f"{path}: unknown file type; use {', '.join(READERS)}")
+    return READERS[suffix]
 
 
 def read_local_documents(paths: list[str], text_field: str):
     for path in paths:
-        reader = READERS[next(suffix for suffix in READERS if path.endswith(suffix))]
         try:
-            yield from reader(path, text_field)
+            yield from reader_for(path)(path, text_field)
         except UnicodeDecodeError as error:
             raise ConfigError(f"{path} is not UTF-8 text ({error.reason} at byte {error.start}): "
                               "convert it to UTF-8") from None
@@ -484,10 +489,10 @@ def clear_out_dir(out_dir: str, overwrite: bool) -> None:
 def main(cfg: argparse.Namespace) -> tuple[int, int, int]:
     paths = input_files(cfg.input) if cfg.input else None
     parquet = [path for path in paths or [] if path.endswith(".parquet")]
-    try:  # the optional library a source needs, before any work
-        import pyarrow.parquet  # noqa: F401
-    except ImportError:
-        if parquet:
+    if parquet:  # the optional library a source needs, before any work
+        try:
+            import pyarrow.parquet  # noqa: F401
+        except ImportError:
             raise ConfigError(f"reading {parquet[0]} needs pyarrow: pip install pyarrow") from None
     if paths is None:
         try:

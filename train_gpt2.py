@@ -766,8 +766,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
         if launch.rank == 0 and due(cfg.sample_every, steps_done, last_step):
             print_samples(raw_model, run.tokenizer, cfg, device, autocast)
 
-        stop_on_bad_tokens([train_loader, val_loader], launch, device)
-        stop = any_rank(stop_signal.requested, launch, device)
+        stop = signalled_on_any_rank(stop_signal.requested, [train_loader, val_loader], launch,
+                                     device)
         pause = not last_step and steps_done - start_step == cfg.stop_after_steps > 0
         if stop or pause or due(cfg.ckpt_every, steps_done, last_step):
             write_checkpoint(cfg, launch, device, raw_model, optimizer, scaler, train_loader,
@@ -1544,20 +1544,19 @@ class StopSignal:
             signal.signal(signum, handler)
 
 
-def stop_on_bad_tokens(loaders: list, launch: Launch, device: str) -> None:
-    """Stop every rank when one read a token id beyond the vocabulary (its loader named it)."""
+def signalled_on_any_rank(signalled: bool, loaders: list, launch: Launch, device: str) -> bool:
+    """Whether any rank got a stop signal (torchrun forwards one to all, a scheduler may not).
+    Raises on every rank if any read a token id beyond the vocabulary, as its loader named it.
+    One all-reduce carries both flags: it waits for the device."""
     problem = next((loader.problem for loader in loaders if loader and loader.problem), None)
-    if any_rank(problem is not None, launch, device):
+    flags = [signalled, problem is not None]
+    if launch.torchrun:
+        values = torch.tensor(flags, dtype=torch.float32, device=device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        flags = [bool(value) for value in values.tolist()]
+    if flags[1]:
         raise first_problem(gather(problem, launch))
-
-
-def any_rank(flag: bool, launch: Launch, device: str) -> bool:
-    """True on every rank if true on any: torchrun forwards a signal to all, a scheduler may not."""
-    if not launch.torchrun:
-        return flag
-    value = torch.tensor(float(flag), device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+    return flags[0]
 
 
 # ------------------------------------------------------------ logging
@@ -1783,7 +1782,7 @@ def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
     accum_steps = grad_accum_steps(cfg, launch.world_size)
     result = {"val_loss": estimate_val_loss(model, val_loader, cfg.eval_steps, accum_steps, device,
                                             autocast, launch)}
-    stop_on_bad_tokens([val_loader], launch, device)
+    signalled_on_any_rank(False, [val_loader], launch, device)  # stops on bad tokens
     if missing is None:
         result.update(evaluate_hellaswag(model, hellaswag, device, autocast, launch))
     if launch.rank == 0:
