@@ -3,10 +3,8 @@
     python train_gpt2.py                                       # one device (CUDA, MPS or CPU)
     torchrun --standalone --nproc_per_node=8 train_gpt2.py     # one machine, 8 processes
 
-The recipe comes first: config, model, data, distributed setup, optimizer and schedule, the
-training loop, evaluation. The plumbing a real run needs follows it: checking the config, setting
-up a run, weights to start from, checkpoints, logging, the other run modes, main.
-`python train_gpt2.py --help` lists every flag; README.md explains them.
+The recipe comes first (config, model, data, distributed setup, optimizer and schedule, the
+training loop, evaluation), then the plumbing a real run needs. README.md explains the flags.
 """
 
 import argparse
@@ -137,15 +135,13 @@ class TrainConfig:
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
-    """argparse prints its usage and exits on a bad flag; we raise the one-line ConfigError."""
-
-    def error(self, message):
+    def error(self, message):  # argparse would print its usage and exit
         raise ConfigError(f"{message} (see --help)")
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
-    """Every TrainConfig field is a --flag with its help line. An --init_from checkpoint gives the
-    batch shape and evaluation length it was trained with, unless flags give them."""
+    """Every TrainConfig field as a --flag. An --init_from checkpoint gives the batch shape and
+    evaluation length it was trained with, unless flags give them."""
     parser = _OneLineErrorParser(description="Pretrain GPT-2 (defaults: the 124M recipe on GPUs).")
     for f in dataclasses.fields(TrainConfig):
         help_text = f.metadata["help"]
@@ -169,7 +165,6 @@ def parse_args(argv: list[str]) -> TrainConfig:
 
 
 def model_shape(cfg: TrainConfig) -> tuple[int, int, int]:
-    """(n_layer, n_head, n_embd): the --model preset, overridden by any explicit shape flag."""
     n_layer, n_head, n_embd = MODEL_SHAPES[cfg.model]
     return (cfg.n_layer or n_layer, cfg.n_head or n_head, cfg.n_embd or n_embd)
 
@@ -187,8 +182,7 @@ class GPTConfig:
 
 
 class KVCache:
-    """Keys and values of the tokens so far, for generation: each new token costs one position.
-    layers[i]: layer i's (k, v), each (B, n_head, length, head_dim); None before the first call."""
+    """For generation: layers[i] is layer i's (k, v), each (B, n_head, tokens so far, head_dim)."""
 
     def __init__(self, n_layer: int):
         self.layers = [None] * n_layer
@@ -280,8 +274,7 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def hidden_states(self, idx, cache: KVCache | None = None):
-        """idx (B, T) token ids, after the cache's tokens if one is given -> (B, T, n_embd), the
-        final LayerNorm's output, which lm_head turns into logits."""
+        """idx (B, T), following the cache's tokens -> (B, T, n_embd), before lm_head."""
         B, T = idx.shape
         start = cache.length if cache is not None else 0
         if start + T > self.config.block_size:
@@ -311,12 +304,9 @@ class GPT(nn.Module):
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of logits = hidden @ weight.T, one slice of rows at a time.
-
-    Only one (chunk_size, vocab) slice of logits exists at once (a 64 x 1024 micro-batch's float32
-    logits take 12.3 GiB). The loss ends the graph, so each slice's gradients are computed right
-    away and backward only scales them: nothing is recomputed.
-    """
+    """Mean cross-entropy of hidden @ weight.T with one (chunk_size, vocab) slice of logits at a
+    time (a 64 x 1024 micro-batch's float32 logits take 12.3 GiB). Gradients are made in forward,
+    since the loss ends the graph; backward only scales them."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_size: int, matmul_dtype: torch.dtype):
@@ -333,16 +323,14 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             logits = (chunk_hidden @ matmul_weight.t()).float()  # (chunk, V): the only logits held
             chunk_targets = targets[rows]
             target_logits = logits.gather(1, chunk_targets[:, None])  # (chunk, 1)
-            # log-sum-exp in place (torch.logsumexp would make a second (chunk, V) float32 tensor)
+            # log-sum-exp in place (torch.logsumexp would make a second (chunk, V) tensor)
             row_max = logits.amax(dim=-1, keepdim=True)
-            exp_shifted = logits.sub_(row_max).exp_()  # exp(logits - max); the logits are gone
+            exp_shifted = logits.sub_(row_max).exp_()
             sum_exp = exp_shifted.sum(dim=-1, keepdim=True)
             loss_sum += (row_max + sum_exp.log() - target_logits).sum()
-            if wants_grad:
-                # d(mean loss)/d(logits) = (softmax - one_hot(target)) / N, in place
+            if wants_grad:  # d(mean loss)/d(logits) = (softmax - one_hot(target)) / N, in place
                 grad_logits = exp_shifted.div_(sum_exp)
-                row_index = torch.arange(len(chunk_targets), device=logits.device)
-                grad_logits[row_index, chunk_targets] -= 1
+                grad_logits[torch.arange(len(chunk_targets)), chunk_targets] -= 1
                 grad_logits = grad_logits.div_(num_rows).to(matmul_dtype)
                 grad_hidden[rows] = grad_logits @ matmul_weight
                 grad_weight += (grad_logits.t() @ chunk_hidden).float()
@@ -357,7 +345,6 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 
 def chunked_cross_entropy(hidden, weight, targets, chunk_size: int):
-    """ChunkedCrossEntropy with its matmuls in autocast's dtype when autocast is on."""
     device_type = hidden.device.type
     autocast_on = torch.is_autocast_enabled(device_type)
     matmul_dtype = torch.get_autocast_dtype(device_type) if autocast_on else weight.dtype
@@ -376,7 +363,6 @@ def flops_per_token(model_config: GPTConfig, num_params: int, seq_len: int) -> i
 
 def model_flops_utilization(flops_per_step: float, step_ms: float, peak_tflops: float,
                             world_size: int) -> float:
-    """The fraction of the devices' peak that a step's FLOPs (of all processes) used."""
     return flops_per_step * 1000 / step_ms / (world_size * peak_tflops * 1e12)
 
 
@@ -384,7 +370,7 @@ def model_flops_utilization(flops_per_step: float, step_ms: float, peak_tflops: 
 
 
 def gpt2_tokenizer():
-    import tiktoken  # imported here so that importing this file does no work
+    import tiktoken  # here, so that importing this file does no work
 
     try:
         return tiktoken.get_encoding("gpt2")
@@ -395,7 +381,6 @@ def gpt2_tokenizer():
 
 
 def read_text_tokens(path: str) -> np.ndarray:
-    """The whole text file as GPT-2 tokens, uint16 (the vocabulary's 50257 ids fit)."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -412,9 +397,8 @@ def find_shards(data_dir: str, split: str) -> list[str]:
         raise ConfigError(f"--data_dir {data_dir} is not a folder: run fineweb.py to make shards, "
                           "or fix the path")
     if os.path.exists(os.path.join(data_dir, "INCOMPLETE")):  # fineweb.py's, until all are in
-        raise ConfigError(f"--data_dir {data_dir} is incomplete: fineweb.py is still writing it, "
-                          "or was interrupted (its INCOMPLETE file is there): wait for it, or "
-                          "rerun fineweb.py with --resume")
+        raise ConfigError(f"--data_dir {data_dir} is incomplete (fineweb.py's INCOMPLETE file is "
+                          "there): wait for fineweb.py, or rerun it with --resume")
     paths = sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.npy")))
     if not paths:
         raise ConfigError(f"no {split} shards (*_{split}_*.npy) in --data_dir {data_dir}: "
@@ -423,13 +407,13 @@ def find_shards(data_dir: str, split: str) -> list[str]:
 
 
 def open_shard(path: str) -> np.ndarray:
-    """Memory-map one shard: a batch reads the pages it touches, never the whole file into RAM."""
+    """Memory-mapped: a batch reads the pages it touches, never the whole shard into RAM."""
     try:
         tokens = np.load(path, mmap_mode="r")
     except OSError as error:  # a folder, no permission, a disk error
         raise ConfigError(f"cannot read shard {path} ({error.strerror or error}): check the file") \
             from None
-    except (ValueError, EOFError):  # numpy calls a file without .npy's header "pickled data"
+    except (ValueError, EOFError):  # no .npy header: numpy calls it "pickled data"
         raise ConfigError(f"cannot read shard {path}: it is not a .npy file (empty, cut short or "
                           "another format): delete it and rerun fineweb.py") from None
     if tokens.dtype != np.uint16 or tokens.ndim != 1 or len(tokens) < 1:
@@ -447,14 +431,12 @@ class TokenStream:
         self.num_tokens = int(self.starts[-1])
 
     def read(self, start: int, count: int) -> np.ndarray:
-        """Tokens [start, start + count) as int64, gathered across array boundaries."""
         pieces, end = [], start + count
         index = int(np.searchsorted(self.starts, start, side="right")) - 1
         while start < end:
             local = start - self.starts[index]
-            piece = self.arrays[index][local : local + end - start]
-            pieces.append(piece)
-            start += len(piece)
+            pieces.append(self.arrays[index][local : local + end - start])
+            start += len(pieces[-1])
             index += 1
         return np.concatenate(pieces).astype(np.int64)
 
@@ -473,15 +455,10 @@ def load_token_streams(cfg: TrainConfig) -> tuple[TokenStream, TokenStream]:
 
 
 class DataLoader:
-    """(B, T) batches from a stream cut into windows of T + 1 tokens: x = window[:-1], y = [1:].
-
-    Window k starts at token k*T (neighbours share one token); windows span shard boundaries. The
-    whole position is one integer, the windows consumed by all ranks together: rank r of W takes the
-    B windows from position + r*B, and the position advances by W*B. So a step is split the same
-    way for any W and B, and a checkpoint resumes at another world size. With shuffle off rank r
-    reads at token r*B*T, advancing W*B*T; with it on, each epoch visits the windows in a
-    permutation drawn from (seed, epoch) alone, so every rank agrees without talking.
-    """
+    """(B, T) batches of windows of T + 1 tokens (x = window[:-1], y = window[1:]); window k starts
+    at token k*T. The position is one number, the windows all ranks consumed: rank r of W reads the
+    B from position + r*B, and all advance W*B. So a checkpoint resumes at any world size. With
+    shuffle each epoch visits the windows in a permutation drawn from (seed, epoch) alone."""
 
     def __init__(self, stream: TokenStream, batch_size: int, seq_len: int, rank: int,
                  world_size: int, windows_needed: int, shuffle: bool, seed: int, name: str,
@@ -502,14 +479,13 @@ class DataLoader:
         return self.windows_consumed // self.num_windows
 
     def window_order(self, epoch: int) -> np.ndarray:
-        """Window numbers in the order this epoch visits them (8 bytes a window, drawn once)."""
+        """The window numbers in this epoch's order (8 bytes a window, drawn once)."""
         if self._order_epoch != epoch:
             rng = np.random.default_rng([self.seed, epoch])
             self._order_epoch, self._order = epoch, rng.permutation(self.num_windows)
         return self._order
 
     def window_start(self, window: int) -> int:
-        """Token offset of the window-th window consumed since the start of training."""
         epoch, index = divmod(window, self.num_windows)
         return int(self.window_order(epoch)[index] if self.shuffle else index) * self.seq_len
 
@@ -517,24 +493,23 @@ class DataLoader:
         B, T = self.batch_size, self.seq_len
         first = self.windows_consumed + self.rank * B
         starts = [self.window_start(w) for w in range(first, first + B)]
-        windows = np.stack([self.stream.read(start, T + 1) for start in starts])
-        if windows.max() >= GPT2_VOCAB_SIZE:  # another tokenizer's shards
+        windows = np.stack([self.stream.read(start, T + 1) for start in starts])  # (B, T + 1)
+        if windows.max() >= GPT2_VOCAB_SIZE:
             row, column = np.argwhere(windows >= GPT2_VOCAB_SIZE)[0]
             self.problem = self.problem or (
                 f"{self.stream.name_at(starts[row] + column)} holds token id {windows[row, column]}"
                 f", beyond GPT-2's {GPT2_VOCAB_SIZE} tokens (made with another tokenizer?): "
                 "remake the shards with fineweb.py")
-            # such ids would fault the embedding (on a GPU, a device-side assert that ends the
-            # process): clipped, until every rank stops together at the end of the step
+            # on a GPU such an id is a device-side assert that ends the process: clipped, until
+            # every rank stops together at the end of the step
             np.minimum(windows, GPT2_VOCAB_SIZE - 1, out=windows)
         self.windows_consumed += self.world_size * B
-        windows = torch.from_numpy(windows)  # (B, T + 1)
+        windows = torch.from_numpy(windows)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
 def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
-    """On CUDA through pinned memory, so the copy is queued without waiting: a copy from pageable
-    memory first waits for all queued GPU work, a stall every micro-step."""
+    """On CUDA through pinned memory: a copy from pageable memory waits for all queued GPU work."""
     if device.startswith("cuda"):
         return batch.pin_memory().to(device, non_blocking=True)
     return batch.to(device)
@@ -542,9 +517,8 @@ def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
 
 # ------------------------------------------------------------ distributed setup
 
-# Backstop for a collective whose peer never arrives. Rank 0 alone writes checkpoints between
-# collectives (10 s for 124M, minutes for gpt2-xl): this must exceed that. A peer that crashed is
-# noticed within a second anyway, and torchrun stops the others.
+# Backstop for a peer that never arrives; must outlast rank 0 writing a checkpoint alone (10 s at
+# 124M, minutes at gpt2-xl). A crashed peer is noticed within a second, and torchrun ends the rest.
 DIST_TIMEOUT = datetime.timedelta(minutes=20)
 
 
@@ -552,7 +526,7 @@ DIST_TIMEOUT = datetime.timedelta(minutes=20)
 class Launch:
     """Where this process sits in the job. A plain `python train_gpt2.py` run is rank 0 of 1."""
 
-    rank: int = 0  # global rank, 0 .. world_size - 1
+    rank: int = 0
     local_rank: int = 0  # rank within this machine: picks the GPU
     world_size: int = 1
     torchrun: bool = False  # started by torchrun: a process group is needed, even for one process
@@ -560,7 +534,6 @@ class Launch:
 
 
 def launch_from_env(environ) -> Launch:
-    """The one place that reads torchrun's variables; everything else receives a Launch."""
     if "RANK" not in environ:
         return Launch()
     return Launch(int(environ["RANK"]), int(environ["LOCAL_RANK"]), int(environ["WORLD_SIZE"]),
@@ -568,25 +541,23 @@ def launch_from_env(environ) -> Launch:
 
 
 def pick_device(requested: str, launch: Launch, gpu_count: int, mps_available: bool) -> str:
-    """This process's device; gpu_count: the CUDA devices this machine shows."""
     if requested == "auto":
         requested = "cuda" if gpu_count else "mps" if mps_available else "cpu"
-    device_type, _, index = requested.partition(":")
-    if device_type not in ("cpu", "cuda", "mps") or index and (device_type != "cuda"
-                                                                or not index.isdigit()):
+    kind, _, index = requested.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or index and (kind != "cuda" or not index.isdigit()):
         raise ConfigError(f"unknown --device {requested!r}: use auto, cpu, cuda, cuda:N or mps")
-    if device_type == "cuda" and not gpu_count or device_type == "mps" and not mps_available:
+    if kind == "cuda" and not gpu_count or kind == "mps" and not mps_available:
         raise ConfigError(f"--device {requested} is not available on this machine: use --device "
                           "auto or cpu")
-    if device_type == "cuda" and launch.torchrun and index and launch.world_size > 1:
+    if kind == "cuda" and launch.torchrun and index and launch.world_size > 1:
         raise ConfigError(f"--device {requested} names one GPU for {launch.world_size} processes: "
                           "use --device cuda")
-    if device_type == "cuda" and launch.torchrun and not index:
+    if kind == "cuda" and launch.torchrun and not index:  # one GPU per process
         if launch.local_world_size > gpu_count:
             raise ConfigError(f"{launch.local_world_size} processes on this machine, which has "
                               f"{gpu_count} GPU(s): start one process a GPU "
                               f"(torchrun --nproc_per_node={gpu_count})")
-        return f"cuda:{launch.local_rank}"  # one GPU per process
+        return f"cuda:{launch.local_rank}"
     if index and int(index) >= gpu_count:
         raise ConfigError(f"--device {requested} is not on this machine, which has {gpu_count} "
                           f"GPU(s), cuda:0 to cuda:{gpu_count - 1}: pick one of those")
@@ -594,12 +565,10 @@ def pick_device(requested: str, launch: Launch, gpu_count: int, mps_available: b
 
 
 def init_distributed(launch: Launch, device: str) -> None:
-    """Make a CUDA device the current one (no stray context on GPU 0), then under torchrun join
-    the process group: gloo for CPU tensors, and NCCL for CUDA ones where CUDA is present. Every
-    rank joins the same way whatever its device, so that the ranks can tell each other their
-    problems (gathered on the CPU) before any of them stops."""
+    """Under torchrun join the process group: gloo for CPU tensors (every rank's problems are
+    gathered there, whatever its device), NCCL for CUDA ones."""
     if device.startswith("cuda"):
-        torch.cuda.set_device(device)
+        torch.cuda.set_device(device)  # no stray context on GPU 0
     if launch.torchrun:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size,
@@ -607,7 +576,6 @@ def init_distributed(launch: Launch, device: str) -> None:
 
 
 def gather(value, launch: Launch) -> list:
-    """[value of rank 0, value of rank 1, ...] on every rank (picklable values)."""
     if not launch.torchrun:
         return [value]
     values = [None] * launch.world_size
@@ -616,8 +584,7 @@ def gather(value, launch: Launch) -> list:
 
 
 def first_problem(problems: list[str | None]) -> ConfigError | None:
-    """The lowest rank's problem of every rank's (gathered), to raise on all: they stop together
-    and rank 0 tells it once, naming the rank that found it."""
+    """The lowest rank's problem, for every rank to raise: they stop together, rank 0 says it."""
     for rank, problem in enumerate(problems):
         if problem is not None:
             return ConfigError(problem if rank == 0 else f"{problem} (on rank {rank})")
@@ -625,7 +592,7 @@ def first_problem(problems: list[str | None]) -> ConfigError | None:
 
 
 def all_reduce_mean(value: torch.Tensor, launch: Launch) -> torch.Tensor:
-    """Mean over ranks: SUM, then divide (gloo's ReduceOp.AVG came late, with a correctness bug)."""
+    """SUM, then divide: gloo's ReduceOp.AVG came late, with a correctness bug."""
     if launch.torchrun:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
@@ -637,7 +604,6 @@ def all_reduce_mean(value: torch.Tensor, launch: Launch) -> torch.Tensor:
 
 
 def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
-    """Micro-steps per optimizer step; check_config has made sure this divides exactly."""
     return cfg.total_batch_size // (cfg.micro_batch_size * cfg.seq_len * world_size)
 
 
@@ -654,8 +620,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 def configure_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool,
                         sharded: bool = False) -> torch.optim.Optimizer:
-    """AdamW, weight decay on matrices and embeddings (2-D) only, never on biases and LayerNorms.
-    sharded: ZeRO stage 1 over the process group; its consolidated state_dict is the plain one's."""
+    """AdamW with weight decay on 2-D tensors (matmuls, embeddings) only, not biases or LayerNorms.
+    sharded: ZeRO stage 1; its consolidated state_dict is the plain one's."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
@@ -673,9 +639,8 @@ def configure_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool,
 
 def forward_backward(model, loader: DataLoader, accum_steps: int, device: str, autocast, scaler,
                      sync_last_only: bool) -> torch.Tensor:
-    """Accumulate one step's mean gradient over accum_steps micro-batches; returns this rank's
-    mean loss. DDP all-reduces gradients in every backward; sync_last_only skips that on all but
-    the last micro-step, which reduces the accumulated sum once (same result, less traffic)."""
+    """Accumulate one step's mean gradient; returns this rank's mean loss. sync_last_only: DDP
+    all-reduces the summed gradients once, in the last micro-step's backward."""
     loss_sum = torch.zeros((), device=device)
     for micro_step in range(accum_steps):
         x, y = (to_device(batch, device) for batch in loader.next_batch())
@@ -689,7 +654,6 @@ def forward_backward(model, loader: DataLoader, accum_steps: int, device: str, a
 
 
 def due(every: int, steps_done: int, last_step: bool) -> bool:
-    """Whether a task run every N steps (and at the end; 0: never) is due after steps_done."""
     return bool(every) and (steps_done % every == 0 or last_step)
 
 
@@ -717,7 +681,12 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
     accum_steps = grad_accum_steps(cfg, W)
     flops_per_step = (flops_per_token(raw_model.config, count_parameters(raw_model), cfg.seq_len)
                       * cfg.total_batch_size if device_type == "cuda" else None)
-    log.start_line(cfg, device, dtype, W, accum_steps, raw_model, train_loader, sharded)
+    log.say(f"device {device} ({str(dtype).removeprefix('torch.')}, compile "
+            f"{'on' if compile_enabled(cfg, device) else 'off'}), {W} process(es); "
+            f"{count_parameters(raw_model):,} parameters; {cfg.total_batch_size:,} tokens per step "
+            f"= {accum_steps} micro-steps x {W} process(es) x {cfg.micro_batch_size} x "
+            f"{cfg.seq_len}; {'AdamW state sharded over the processes; ' if sharded else ''}"
+            f"{train_loader.stream.num_tokens:,} train tokens")
     profiler = make_profiler(cfg, device_type, start_step, log) if cfg.profile_steps else None
     step_ms, epoch = [], train_loader.epoch
 
@@ -737,7 +706,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
         loss, grad_norm = loss.item(), grad_norm.item()  # the step's one wait for the device
         elapsed_ms = (time.perf_counter() - started) * 1000
 
-        # everything from here on is bookkeeping: log, evaluate, sample, checkpoint
+        # the rest is bookkeeping: log, evaluate, sample, checkpoint
         if not (profiler and UNTIMED_STEPS <= step - start_step < steps_to_profile(cfg)):
             step_ms.append(elapsed_ms)  # profiled steps run slower
         mfu = flops_per_step and model_flops_utilization(flops_per_step, elapsed_ms,
@@ -747,7 +716,9 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
         check_step_finite(step, loss, grad_norm, scaler.is_enabled(), cfg.log_dir)
         if train_loader.epoch > epoch:
             epoch = train_loader.epoch
-            log.new_epoch(step, cfg, epoch, train_loader)
+            log.write({"step": step, "epoch": epoch}, f"step {step:5d}/{cfg.max_steps} | epoch "
+                      f"{epoch} begins: all {train_loader.num_windows:,} training windows were "
+                      f"used, starting again{' in a new order' if train_loader.shuffle else ''}")
         steps_done, last_step = step + 1, step + 1 == cfg.max_steps
         evaluate = due(cfg.eval_every, steps_done, last_step)
         score_hellaswag = due(cfg.hellaswag_every, steps_done, last_step)
@@ -798,8 +769,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
 @torch.no_grad()
 def estimate_val_loss(model, loader: DataLoader, eval_steps: int, accum_steps: int, device: str,
                       autocast, launch: Launch) -> float:
-    """Mean loss over the first eval_steps validation steps, read like training steps, so every
-    evaluation and every process count sees the same tokens."""
+    """Mean loss over the first eval_steps validation steps: the same tokens every time, for any
+    process count."""
     model.eval()
     loader.windows_consumed = 0
     step_losses = torch.zeros(eval_steps, device=device)
@@ -809,7 +780,6 @@ def estimate_val_loss(model, loader: DataLoader, eval_steps: int, accum_steps: i
             with autocast():
                 step_losses[step] += model(x, y) / accum_steps
     model.train()
-    # each step averaged over ranks as the training loss is, then the mean over steps
     return all_reduce_mean(step_losses, launch).mean().item()
 
 
@@ -817,10 +787,9 @@ def estimate_val_loss(model, loader: DataLoader, eval_steps: int, accum_steps: i
 def generate(model: GPT, prompt_tokens: list[int], num_samples: int, max_new_tokens: int,
              temperature: float, top_k: int, seed: int, device: str, autocast,
              use_cache: bool = True) -> list[list[int]]:
-    """Sample num_samples continuations with a private generator (the training RNG is untouched).
-    An empty prompt starts from <|endoftext|> alone, as GPT-2's own samples did. With the cache,
-    each call after the first reads only the newest token, until the text outgrows block_size;
-    from there (and without the cache) each token rereads the last block_size tokens."""
+    """Sample continuations with a private generator (the training RNG is untouched). An empty
+    prompt starts from <|endoftext|>, as GPT-2's own samples did. With the cache each token after
+    the first call costs one position, until the text outgrows block_size."""
     model.eval()
     context = prompt_tokens or [END_OF_TEXT]
     tokens = torch.tensor(context, device=device).repeat(num_samples, 1)  # (num_samples, length)
@@ -853,8 +822,8 @@ def print_samples(model: GPT, tokenizer, cfg: TrainConfig, device: str, autocast
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_CACHE = os.path.expanduser("~/.cache/train_gpt2/hellaswag_val.jsonl")
-# Examples are scored in batches of at most this many tokens (one at a time left a GPU idle).
-# Only ending tokens get logits, about a quarter: 2048 x 50304 float32 logits take 0.4 GiB
+# Tokens per scoring batch, padding included. Only ending tokens (about a quarter) get logits:
+# 2048 x 50304 float32 logits take 0.4 GiB
 HELLASWAG_BATCH_TOKENS = 8192
 
 
@@ -864,17 +833,17 @@ def read_hellaswag(path: str) -> list[dict]:
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
             try:
-                record = json.loads(line)
-                endings = record["endings"]
-                valid = (isinstance(record["ctx"], str) and isinstance(endings, list)
+                example = json.loads(line)
+                endings = example["endings"]
+                valid = (isinstance(example["ctx"], str) and isinstance(endings, list)
                          and len(endings) == 4 and all(isinstance(e, str) for e in endings)
-                         and record["label"] in range(4))
+                         and example["label"] in range(4))
             except (json.JSONDecodeError, KeyError, TypeError):
                 valid = False
             if not valid:
                 raise ConfigError(f"{path} line {line_number} is not a HellaSwag record (ctx, "
                                   "4 endings, label 0-3)")
-            examples.append(record)
+            examples.append(example)
     if not examples:
         raise ConfigError(f"{path} holds no HellaSwag records: give hellaswag_val.jsonl's path")
     return examples
@@ -893,12 +862,11 @@ def render_hellaswag(example: dict, tokenizer) -> tuple[torch.Tensor, torch.Tens
 
 
 def pack_hellaswag(rendered: list[tuple], max_tokens: int) -> list[tuple]:
-    """Rendered examples in batches: tokens (4n, L), mask (4n, L), labels (n,), zero-padded to the
-    batch's longest, at most max_tokens with padding unless one example alone is longer. Shortest
-    first, so that examples of like length share a batch."""
+    """Batches of (tokens (4n, L), mask (4n, L), labels (n,)), padded to the batch's longest and at
+    most max_tokens unless one example alone is longer. Shortest first: like lengths together."""
     groups = []
     for example in sorted(rendered, key=lambda example: example[0].size(1)):
-        # sorted: this example is the longest yet, so the group would be padded to its length
+        # the longest yet: the group would be padded to its length
         if not groups or 4 * (len(groups[-1]) + 1) * example[0].size(1) > max_tokens:
             groups.append([])
         groups[-1].append(example)
@@ -913,9 +881,8 @@ def pack_hellaswag(rendered: list[tuple], max_tokens: int) -> list[tuple]:
 
 @torch.no_grad()
 def hellaswag_choices(model: GPT, tokens: torch.Tensor, mask: torch.Tensor, autocast):
-    """For each example of a batch (rows 4i to 4i + 3): the ending with the lowest summed loss
-    (acc) and the one with the lowest mean loss per token (acc_norm), each (n,). Only positions
-    that predict an ending token get logits: the others' would be thrown away."""
+    """Per example (rows 4i to 4i + 3): the ending of lowest summed loss (acc) and of lowest mean
+    loss per token (acc_norm), each (n,). Only positions that predict ending tokens get logits."""
     rows, positions = mask[:, 1:].nonzero(as_tuple=True)  # position i predicts token i + 1
     with autocast():
         hidden = model.hidden_states(tokens)[rows, positions]  # (ending tokens, n_embd)
@@ -928,7 +895,6 @@ def hellaswag_choices(model: GPT, tokens: torch.Tensor, mask: torch.Tensor, auto
 
 def evaluate_hellaswag(model: GPT, batches: list[tuple], device: str, autocast,
                        launch: Launch) -> dict:
-    """Accuracy over all examples: each rank scores its own batches, and the counts are summed."""
     model.eval()
     counts = torch.zeros(3, device=device)  # examples, right by summed loss, right by mean loss
     for tokens, mask, labels in batches:
@@ -954,109 +920,81 @@ def steps_to_profile(cfg: TrainConfig) -> int:
 
 
 def check_config(cfg: TrainConfig, world_size: int) -> None:
-    """Catch user mistakes before any heavy work; each ConfigError names the problem and the fix."""
-    explicit_shape = [n for n in ("n_layer", "n_head", "n_embd") if getattr(cfg, n) is not None]
-    positive = ["block_size", "vocab_size", "total_batch_size", "micro_batch_size", "seq_len",
-                "max_steps"]
-    for name in positive + explicit_shape:
+    shape_flags = [n for n in ("n_layer", "n_head", "n_embd") if getattr(cfg, n) is not None]
+    for name in ["block_size", "vocab_size", "total_batch_size", "micro_batch_size", "seq_len",
+                 "max_steps", "eval_steps", "num_samples", "top_k"] + shape_flags:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
-    n_layer, n_head, n_embd = model_shape(cfg)
-    if n_embd % n_head:
-        raise ConfigError(f"--n_embd {n_embd} is not divisible by --n_head {n_head}: pick a width "
-                          "that is")
-    if cfg.seq_len > cfg.block_size:
-        raise ConfigError(f"--seq_len {cfg.seq_len} is longer than --block_size {cfg.block_size}: "
-                          "lower --seq_len or raise --block_size")
-    if cfg.vocab_size < GPT2_VOCAB_SIZE:
-        raise ConfigError(f"--vocab_size {cfg.vocab_size} is smaller than the GPT-2 tokenizer's "
-                          f"{GPT2_VOCAB_SIZE} tokens: use at least 50257 (50304 is faster)")
-    tokens_per_micro_step = cfg.micro_batch_size * cfg.seq_len * world_size
-    if cfg.total_batch_size % tokens_per_micro_step:
-        raise ConfigError(f"--total_batch_size {cfg.total_batch_size} is not divisible by "
-                          f"micro_batch_size x seq_len x processes = {cfg.micro_batch_size} x "
-                          f"{cfg.seq_len} x {world_size} = {tokens_per_micro_step}: make "
-                          "--total_batch_size a multiple of it")
-    if not 0 <= cfg.warmup_steps <= cfg.max_steps:
-        raise ConfigError(f"--warmup_steps {cfg.warmup_steps} must be between 0 and --max_steps "
-                          f"{cfg.max_steps}: lower --warmup_steps")
-    if cfg.eval_every and cfg.eval_steps < 1:
-        raise ConfigError(f"--eval_steps must be at least 1 when --eval_every is set, got "
-                          f"{cfg.eval_steps}")
-    if cfg.loss_chunk_size is not None and cfg.loss_chunk_size < 0:
-        raise ConfigError(f"--loss_chunk_size must be 0 or more, got {cfg.loss_chunk_size}")
-    if cfg.max_lr <= 0 or not 0 <= cfg.min_lr_ratio <= 1:
-        raise ConfigError(f"--max_lr ({cfg.max_lr}) must be above 0 and --min_lr_ratio "
-                          f"({cfg.min_lr_ratio}) between 0 and 1")
-    if not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1) or cfg.eps < 0 or cfg.weight_decay < 0:
-        raise ConfigError(f"AdamW needs 0 <= --beta1 ({cfg.beta1}), --beta2 ({cfg.beta2}) < 1 and "
-                          f"--eps ({cfg.eps}), --weight_decay ({cfg.weight_decay}) of 0 or more")
-    if cfg.grad_clip < 0:  # clip_grad_norm_ would scale gradients by a negative factor: uphill
-        raise ConfigError(f"--grad_clip must be 0 (off) or more, got {cfg.grad_clip}")
-    if cfg.peak_tflops <= 0:
-        raise ConfigError(f"--peak_tflops must be above 0 (the device's peak, for MFU), got "
-                          f"{cfg.peak_tflops}")
-    intervals = ["eval_every", "sample_every", "hellaswag_every", "ckpt_every", "keep_ckpts",
-                 "stop_after_steps", "profile_steps"]
-    negative = [f"--{name} {getattr(cfg, name)}" for name in intervals if getattr(cfg, name) < 0]
+    negative = [f"--{name} {getattr(cfg, name)}" for name in (
+        "eval_every", "sample_every", "hellaswag_every", "ckpt_every", "keep_ckpts",
+        "stop_after_steps", "profile_steps", "loss_chunk_size", "max_new_tokens", "grad_clip",
+        "weight_decay", "eps") if (getattr(cfg, name) or 0) < 0]
     if negative:
-        raise ConfigError(f"{', '.join(negative)}: must be 0 (off) or more")
-    if cfg.num_samples < 1 or cfg.max_new_tokens < 0:
-        raise ConfigError(f"--num_samples ({cfg.num_samples}) must be at least 1 and "
-                          f"--max_new_tokens ({cfg.max_new_tokens}) 0 or more")
-    run_steps, limit = (cfg.max_steps, "--max_steps")
+        raise ConfigError(f"{', '.join(negative)}: must be 0 or more")
+    n_layer, n_head, n_embd = model_shape(cfg)
+    micro_step_tokens = cfg.micro_batch_size * cfg.seq_len * world_size
+    run_steps, limit = cfg.max_steps, "--max_steps"
     if 0 < cfg.stop_after_steps < cfg.max_steps:
         run_steps, limit = cfg.stop_after_steps, "--stop_after_steps"
-    if cfg.profile_steps and run_steps < steps_to_profile(cfg):
-        raise ConfigError(f"--profile_steps {cfg.profile_steps} needs {steps_to_profile(cfg)} "
-                          f"steps ({UNTIMED_STEPS} warm-up, 1 for the profiler): raise {limit} to "
-                          f"{steps_to_profile(cfg)}")
-    if cfg.top_k < 1 or cfg.temperature <= 0:
-        raise ConfigError(f"--top_k ({cfg.top_k}) must be at least 1 and --temperature "
-                          f"({cfg.temperature}) above 0")
-    if cfg.init_from and cfg.resume:
-        raise ConfigError("--init_from starts a new run from its weights and --resume continues an "
-                          "earlier one: drop one of the two")
-    if cfg.init_from and cfg.init_from not in MODEL_SHAPES and not os.path.isfile(cfg.init_from):
-        raise ConfigError(f"--init_from {cfg.init_from} is neither {', '.join(MODEL_SHAPES)} nor a "
-                          "checkpoint file")
-    if cfg.init_from and explicit_shape:
-        flags = " ".join(f"--{n}" for n in explicit_shape)
-        raise ConfigError(f"--init_from {cfg.init_from} sets the model's shape: drop {flags}")
-    torchrun = ["use python, not torchrun"] * (world_size > 1)
-    if cfg.generate and (cfg.eval_only or torchrun):
-        fixes = ["drop --eval_only"] * cfg.eval_only + torchrun
-        raise ConfigError(f"--generate runs alone in one process: {', and '.join(fixes)}")
-    if cfg.export_hf and (not cfg.init_from or cfg.generate or cfg.eval_only or torchrun):
-        fixes = (["add --init_from with the weights to export"] * (not cfg.init_from)
-                 + [f"drop --{mode}" for mode in ("generate", "eval_only") if getattr(cfg, mode)]
-                 + torchrun)
-        raise ConfigError(f"--export_hf runs alone in one process: {', and '.join(fixes)}")
-    if cfg.hellaswag_path and not os.path.isfile(cfg.hellaswag_path):
-        raise ConfigError(f"--hellaswag_path {cfg.hellaswag_path} does not exist: give "
-                          "hellaswag_val.jsonl's path")
-    if cfg.generate or cfg.export_hf:
-        return  # needs no data
-    if cfg.data_dir:
+    alone = ["use python, not torchrun"] * (world_size > 1)
+    mistakes = [
+        (n_embd % n_head, f"--n_embd {n_embd} is not divisible by --n_head {n_head}: pick a width "
+                          "that is"),
+        (cfg.seq_len > cfg.block_size, f"--seq_len {cfg.seq_len} is longer than --block_size "
+                                       f"{cfg.block_size}: lower --seq_len or raise --block_size"),
+        (cfg.vocab_size < GPT2_VOCAB_SIZE, f"--vocab_size {cfg.vocab_size} is smaller than the "
+         f"GPT-2 tokenizer's {GPT2_VOCAB_SIZE} tokens: use at least 50257 (50304 is faster)"),
+        (cfg.total_batch_size % micro_step_tokens, f"--total_batch_size {cfg.total_batch_size} is "
+         f"not divisible by micro_batch_size x seq_len x processes = {cfg.micro_batch_size} x "
+         f"{cfg.seq_len} x {world_size} = {micro_step_tokens}: make --total_batch_size a multiple "
+         "of it"),
+        (not 0 <= cfg.warmup_steps <= cfg.max_steps, f"--warmup_steps {cfg.warmup_steps} must be "
+         f"between 0 and --max_steps {cfg.max_steps}: lower --warmup_steps"),
+        (cfg.max_lr <= 0, f"--max_lr {cfg.max_lr} is not above 0"),
+        (not 0 <= cfg.min_lr_ratio <= 1, f"--min_lr_ratio {cfg.min_lr_ratio} is not in [0, 1]"),
+        (not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1), f"--beta1 {cfg.beta1} and --beta2 "
+                                                         f"{cfg.beta2} must be in [0, 1)"),
+        (cfg.temperature <= 0, f"--temperature {cfg.temperature} is not above 0"),
+        (cfg.peak_tflops <= 0, f"--peak_tflops {cfg.peak_tflops} is not above 0"),
+        (cfg.profile_steps and run_steps < steps_to_profile(cfg), f"--profile_steps "
+         f"{cfg.profile_steps} needs {steps_to_profile(cfg)} steps ({UNTIMED_STEPS} warm-up, 1 "
+         f"for the profiler): raise {limit} to {steps_to_profile(cfg)}"),
+        (cfg.init_from and cfg.resume, "--init_from starts a new run and --resume continues one: "
+                                       "drop one"),
+        (cfg.init_from and cfg.init_from not in MODEL_SHAPES and not os.path.isfile(cfg.init_from),
+         f"--init_from {cfg.init_from} is neither {', '.join(MODEL_SHAPES)} nor a checkpoint file"),
+        (cfg.init_from and shape_flags, f"--init_from {cfg.init_from} sets the model's shape: "
+                                        f"drop {' '.join('--' + name for name in shape_flags)}"),
+        (cfg.generate and (cfg.eval_only or alone), "--generate runs alone in one process: " +
+         ", and ".join(["drop --eval_only"] * cfg.eval_only + alone)),
+        (cfg.export_hf and (not cfg.init_from or cfg.generate or cfg.eval_only or alone),
+         "--export_hf runs alone in one process: " + ", and ".join(
+             ["add --init_from with the weights to export"] * (not cfg.init_from)
+             + [f"drop --{mode}" for mode in ("generate", "eval_only") if getattr(cfg, mode)]
+             + alone)),
+        (cfg.hellaswag_path and not os.path.isfile(cfg.hellaswag_path),
+         f"--hellaswag_path {cfg.hellaswag_path} does not exist: give hellaswag_val.jsonl's path"),
+        (cfg.text_file and not cfg.data_dir and not os.path.isfile(cfg.text_file),
+         f"--text_file {cfg.text_file} does not exist: give a text file, or --data_dir with "
+         "fineweb.py's shards"),
+    ]
+    for mistake, message in mistakes:
+        if mistake:
+            raise ConfigError(message)
+    if cfg.data_dir and not (cfg.generate or cfg.export_hf):
         for split in ("train", "val"):
             find_shards(cfg.data_dir, split)
-    elif cfg.text_file and not os.path.isfile(cfg.text_file):
-        raise ConfigError(f"--text_file {cfg.text_file} does not exist: give a text file, or "
-                          "--data_dir with fineweb.py's shards")
 
 
 def check_same_command(cfg: TrainConfig | None, problem: ConfigError | None, launch: Launch):
-    """Raise on every rank what stops the job before it starts, from every rank's flags and problem
-    (gathered once; cfg is None where the flags did not parse). Flags that differ between machines
-    come first: they cause the mistakes that one machine alone makes."""
+    """Raise on every rank what stops the job before it starts: flags that differ between ranks
+    (they cause the mistakes one machine alone makes), then any rank's problem. cfg is None where
+    the flags did not parse."""
     posts = gather((problem and str(problem), cfg and dataclasses.asdict(cfg)), launch)
     parsed = [(rank, flags) for rank, (_, flags) in enumerate(posts) if flags is not None]
-    differing = []
-    for name, value in parsed[0][1].items() if parsed else ():
-        other = next(((rank, flags[name]) for rank, flags in parsed if flags[name] != value), None)
-        if other:
-            differing.append(f"--{name} {value} on rank {parsed[0][0]} but {other[1]} on rank "
-                             f"{other[0]}")
+    differing = [f"--{name} {value} on rank {parsed[0][0]} but {flags[name]} on rank {rank}"
+                 for name, value in (parsed[0][1].items() if parsed else ())
+                 for rank, flags in parsed[1:] if flags[name] != value]
     if differing:
         raise ConfigError(f"the processes were started with different flags "
                           f"({', '.join(differing)}): start every machine with the same command")
@@ -1068,9 +1006,8 @@ def check_same_command(cfg: TrainConfig | None, problem: ConfigError | None, lau
 
 
 def write_atomically(path: str, write) -> None:
-    """write(temporary_path), flush it to disk, then rename: a reader sees the old file or the whole
-    new one, and a write that fails takes its temporary file with it. The temporary name is this
-    process's own: several processes may fetch the same file to shared storage at once."""
+    """write(temporary), flush it to disk, rename: readers see the old file or the whole new one.
+    The temporary name is this process's own (several may fetch a file to shared storage)."""
     temporary = f"{path}.{os.uname().nodename}-{os.getpid()}.tmp"
     try:
         write(temporary)
@@ -1084,7 +1021,6 @@ def write_atomically(path: str, write) -> None:
 
 
 def download(url: str, path: str, fix: str) -> None:
-    """Fetch url into path; the file appears only once it is complete."""
     try:
         with urllib.request.urlopen(url, timeout=30) as response:
             data = response.read()
@@ -1100,26 +1036,23 @@ def open_data(cfg: TrainConfig, launch: Launch, with_val: bool) -> tuple[DataLoa
                                                   "--data_dir")
     train_stream, val_stream = load_token_streams(cfg)
     B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
-    windows_per_step = cfg.total_batch_size // T
+    step_windows, tokens = cfg.total_batch_size // T, f"{cfg.total_batch_size:,} tokens"
     shuffle = cfg.shuffle if cfg.shuffle is not None else bool(cfg.data_dir)
     more = "more shards" if cfg.data_dir else "--data_dir with fineweb.py's shards"
     train_loader = DataLoader(
-        train_stream, B, T, launch.rank, W, windows_per_step, shuffle, cfg.seed, "training",
-        f"one step of --total_batch_size {cfg.total_batch_size:,} tokens",
-        f"train on more data ({more}) or lower --total_batch_size (the README's quick start "
-        "trains a small model on tiny Shakespeare)")
-    # validation: in order, the same windows every time; all the evaluation's steps must fit
-    val_loader = DataLoader(
-        val_stream, B, T, launch.rank, W, windows_per_step * cfg.eval_steps, False, cfg.seed,
-        "validation", f"an evaluation of --eval_steps {cfg.eval_steps} steps of "
-        f"{cfg.total_batch_size:,} tokens", f"lower --eval_steps or --total_batch_size, or use "
-        f"more data ({more})") if with_val else None
+        train_stream, B, T, launch.rank, W, step_windows, shuffle, cfg.seed, "training",
+        f"one step of --total_batch_size {tokens}", f"train on more data ({more}) or lower "
+        "--total_batch_size (the README's quick start trains a small model on tiny Shakespeare)")
+    val_loader = DataLoader(  # in order: the same windows every time
+        val_stream, B, T, launch.rank, W, step_windows * cfg.eval_steps, False, cfg.seed,
+        "validation", f"an evaluation of --eval_steps {cfg.eval_steps} steps of {tokens}",
+        f"lower --eval_steps or --total_batch_size, or use more data ({more})"
+    ) if with_val else None
     return train_loader, val_loader
 
 
 def open_hellaswag(cfg: TrainConfig, launch: Launch, block_size: int) -> list[tuple]:
-    """This rank's share of HellaSwag (examples r, r + W, ...), tokenized once and packed into
-    batches; a model too short for its longest example is refused before training."""
+    """This rank's share of HellaSwag (examples r, r + W, ...), tokenized and packed in batches."""
     path = cfg.hellaswag_path or HELLASWAG_CACHE
     if not os.path.exists(path):
         download(HELLASWAG_URL, path, "pass --hellaswag_path with a local copy of it")
@@ -1140,7 +1073,6 @@ def compile_enabled(cfg: TrainConfig, device: str) -> bool:
 
 
 def build_model(cfg: TrainConfig, device: str) -> GPT:
-    """Fresh weights from --seed (the same on every rank), or --init_from's."""
     model_config, state = initial_weights(cfg)
     if not cfg.generate and cfg.seq_len > model_config.block_size:
         raise ConfigError(f"--seq_len {cfg.seq_len} is longer than the model's "
@@ -1157,23 +1089,20 @@ def build_model(cfg: TrainConfig, device: str) -> GPT:
 
 
 def check_fp8_supported(device: str, capability: tuple[int, int] | None) -> None:
-    """capability: the CUDA device's (major, minor), None off CUDA."""
     if capability is None or capability < (8, 9):
         raise ConfigError(f"--fp8 needs an NVIDIA GPU with float8 matmuls (compute capability 8.9 "
                           f"or newer: Ada, Hopper); this run is on {device}: drop --fp8")
 
 
 def convert_to_float8(model: GPT) -> None:
-    """The blocks' nn.Linear layers become torchao's Float8Linear (float8 matmuls, dynamic scales).
-    lm_head (tied to the embedding, feeding the loss) stays; float8 needs dimensions divisible
-    by 16."""
+    """The blocks' nn.Linear layers become torchao's Float8Linear; lm_head (tied, feeding the loss)
+    stays. Float8 needs dimensions divisible by 16."""
     try:
-        from torchao.float8 import convert_to_float8_training  # only this path needs it
+        from torchao.float8 import convert_to_float8_training
     except ImportError:
         raise ConfigError("--fp8 needs torchao: pip install torchao") from None
     convert_to_float8_training(model.transformer, module_filter_fn=lambda module, name: (
-        isinstance(module, nn.Linear) and module.in_features % 16 == 0
-        and module.out_features % 16 == 0))
+        isinstance(module, nn.Linear) and module.in_features % 16 == module.out_features % 16 == 0))
 
 
 def precision(cfg: TrainConfig, device_type: str):
@@ -1201,10 +1130,10 @@ class PreparedRun:
 
 
 def prepare_training(cfg: TrainConfig, launch: Launch, device: str, log) -> PreparedRun:
-    """Every rank opens the data, builds the model and finds the checkpoint to resume. A problem on
-    any rank stops them all, and they must have found the same data and checkpoint: machines with
-    their own copies (one still being copied, or made with other flags) could differ."""
-    problem, run = None, None
+    """Every rank opens the data, builds the model and finds the checkpoint. A problem on any rank
+    stops all, and all must have found the same data and checkpoint (machines with their own
+    copies could differ)."""
+    problem, run, found = None, None, None
     try:
         if launch.rank == 0:
             make_log_dir(cfg.log_dir)
@@ -1212,37 +1141,32 @@ def prepare_training(cfg: TrainConfig, launch: Launch, device: str, log) -> Prep
         if earlier and not cfg.resume:  # a later --resume auto would take them for this run's
             raise ConfigError(f"--log_dir {cfg.log_dir} holds an earlier run's checkpoints "
                               f"({os.path.basename(earlier[0])}): continue it with --resume auto, "
-                              "or pass another --log_dir, or delete them")
+                              "or pass another --log_dir")
         train_loader, val_loader = open_data(cfg, launch, with_val=cfg.eval_every > 0)
         model = build_model(cfg, device)
         checkpoint = find_resume_checkpoint(cfg, log.say)
         if checkpoint is not None:
             check_resumable(checkpoint, cfg, model.config)
-        hellaswag = []
-        if cfg.hellaswag_every:
-            hellaswag = open_hellaswag(cfg, launch, model.config.block_size)
+        hellaswag = open_hellaswag(cfg, launch, model.config.block_size) \
+            if cfg.hellaswag_every else []
         if cfg.fp8:
             convert_to_float8(model)
         tokenizer = gpt2_tokenizer() if cfg.sample_every else None
         run = PreparedRun(model, train_loader, val_loader, checkpoint, hellaswag, tokenizer)
+        found = (train_loader.stream.num_tokens, val_loader and val_loader.stream.num_tokens,
+                 checkpoint and checkpoint["step"])
     except ConfigError as error:
         problem = str(error)
-    found = run and ((run.train_loader.stream.num_tokens,
-                      run.val_loader and run.val_loader.stream.num_tokens),
-                     run.checkpoint and run.checkpoint["step"])
     posts = gather((problem, found), launch)
     if error := first_problem([problem for problem, _ in posts]):
         raise error
-    token_counts, steps = zip(*[found for _, found in posts])
-    if len(set(token_counts)) > 1:
-        raise ConfigError(f"the ranks read different data ((train, val) tokens on each: "
-                          f"{list(token_counts)}): give every machine the same shards")
-    if len(set(steps)) > 1:
-        raise ConfigError(f"the ranks found different checkpoints (steps {list(steps)}): put "
-                          "--log_dir on storage that every machine shares, or pass --resume PATH")
+    if len({found for _, found in posts}) > 1:
+        raise ConfigError(f"the ranks found different data or checkpoints ((train tokens, val "
+                          f"tokens, checkpoint step) on each: {[found for _, found in posts]}): "
+                          "give every machine the same shards and a shared --log_dir")
     if device.startswith("cpu") and count_parameters(run.model) > 10**8:
         log.say("hint: these are GPT-2 124M's GPU settings; on a CPU, start with the README's "
-                "quick start (a small model on tiny Shakespeare)")
+                "quick start")
     log.begin(run.checkpoint and run.checkpoint["step"])
     if launch.rank == 0:
         remove_killed_writes(cfg.log_dir)
@@ -1264,8 +1188,7 @@ def state_from_openai(hf_state: dict) -> dict:
 
 
 def state_to_openai(state: dict, vocab_size: int) -> dict:
-    """Our state in GPT2LMHeadModel's layout, keeping the first vocab_size rows of the vocabulary:
-    the padding rows are no token, and no tokenizer could decode them."""
+    """Our state in GPT2LMHeadModel's layout, without the vocabulary's padding rows."""
     exported = {}
     for name, tensor in state.items():
         if name.endswith(OPENAI_TRANSPOSED):
@@ -1282,7 +1205,7 @@ def load_openai_weights(name: str) -> dict:
 
     logging.disable(logging.WARNING)  # transformers' imports warn about optional packages
     try:
-        from transformers import GPT2LMHeadModel  # only this path needs it
+        from transformers import GPT2LMHeadModel
         from huggingface_hub.constants import ENDPOINT
     except ImportError:
         raise ConfigError(f"--init_from {name} needs the transformers library: pip install "
@@ -1292,7 +1215,7 @@ def load_openai_weights(name: str) -> dict:
     try:
         return state_from_openai(GPT2LMHeadModel.from_pretrained(name, local_files_only=True)
                                  .state_dict())
-    except OSError:  # not downloaded yet: offline, the hub client retries for half a minute
+    except OSError:  # not cached: offline, the hub client would retry for half a minute
         pass
     try:
         url = urllib.parse.urlsplit(ENDPOINT)
@@ -1316,14 +1239,16 @@ def initial_weights(cfg: TrainConfig) -> tuple[GPTConfig, dict | None]:
 
 # ------------------------------------------------------------ checkpoints
 
-# What a resumed run must share with its checkpoint: the model's shape, and what numbers the data
-# stream and the schedule (a step is total_batch_size tokens in windows of seq_len)
+# A resumed run must keep its checkpoint's model shape, and the numbers its data position and
+# schedule count in (a step is total_batch_size tokens in windows of seq_len)
 RESUME_MUST_MATCH = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "total_batch_size",
                      "seq_len")
+CHECKPOINT_KEYS = {"model", "model_config", "optimizer", "scaler", "step", "config",
+                   "windows_consumed", "rng"}
 
 
 def checkpoint_paths(log_dir: str) -> list[str]:
-    """ckpt_<step>.pt files in log_dir, newest (highest step) first."""
+    """ckpt_<step>.pt files in log_dir, newest first."""
     found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(log_dir, "ckpt_*.pt"))
              if (m := re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p)))]
     return [p for _, p in sorted(found, reverse=True)]
@@ -1338,8 +1263,8 @@ def file_sha256(path: str) -> str:
 
 
 def save_checkpoint(path: str, state: dict, keep: int) -> None:
-    """Write the checkpoint and its sha256 beside it (torch.load misses a flipped byte in tensor
-    data), then keep only the `keep` newest checkpoints."""
+    """The checkpoint and its sha256 (torch.load misses a flipped byte in tensor data); then only
+    the `keep` newest checkpoints stay."""
     try:
         write_atomically(path, lambda temporary: torch.save(state, temporary))
         line = file_sha256(path) + "\n"
@@ -1352,9 +1277,8 @@ def save_checkpoint(path: str, state: dict, keep: int) -> None:
     os.fsync(directory)  # make the renames themselves durable
     os.close(directory)
     for old in checkpoint_paths(os.path.dirname(path))[keep:] if keep else []:
-        for stale in (old, f"{old}.sha256"):
-            if os.path.exists(stale):
-                os.remove(stale)
+        for stale in glob.glob(glob.escape(old) + "*"):  # with its .sha256
+            os.remove(stale)
     remove_killed_writes(os.path.dirname(path))
 
 
@@ -1364,37 +1288,29 @@ def remove_killed_writes(log_dir: str) -> None:
         os.remove(temporary)
 
 
-CHECKPOINT_KEYS = {"model", "model_config", "optimizer", "scaler", "step", "config",
-                   "windows_consumed", "rng"}
-
-
 def load_checkpoint(path: str, flag: str = "--resume") -> dict:
-    """A checkpoint this script wrote, checked against its sha256; a ConfigError names what is
-    wrong with the file and what to pass instead."""
     if not os.path.isfile(path):
         raise ConfigError(f"no such checkpoint file: {path}")
+    not_ours = f"{flag} {path} is not a checkpoint"
     with open(path, "rb") as f:
         if f.read(4) != b"PK\x03\x04":  # torch.save writes zip files
-            raise ConfigError(f"{flag} {path} is not a checkpoint (not a file torch.save wrote): "
-                              "give a ckpt_<step>.pt from a --log_dir")
-    checksum_path = f"{path}.sha256"
-    if os.path.exists(checksum_path) and Path(checksum_path).read_text().strip() != \
-            file_sha256(path):
-        raise ConfigError(f"checkpoint {path} is corrupt (its sha256 differs from "
-                          f"{checksum_path}): resume from an older checkpoint")
-    try:
-        # On the CPU: straight to the GPU it can run out of memory next to the model. Mapped, not
-        # read: the file's pages in the page cache are one copy for all processes of a machine
+            raise ConfigError(f"{not_ours} (not a file torch.save wrote): give a ckpt_<step>.pt "
+                              "from a --log_dir")
+    checksum = Path(f"{path}.sha256")
+    if checksum.exists() and checksum.read_text().strip() != file_sha256(path):
+        raise ConfigError(f"checkpoint {path} is corrupt (its sha256 differs from {checksum}): "
+                          "resume from an older checkpoint")
+    try:  # to the CPU (on the GPU it could run out of memory beside the model), memory-mapped
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # a truncated or foreign file fails in many ways, all alike to users
         fix = "resume from an older checkpoint" if flag == "--resume" else "give another checkpoint"
         raise ConfigError(f"cannot read checkpoint {path} ({str(error).splitlines()[0]}): {fix}") \
             from None
     if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
-        holds = f"keys {', '.join(map(str, checkpoint))}" if isinstance(checkpoint, dict) else \
-            type(checkpoint).__name__
-        raise ConfigError(f"{flag} {path} is not a checkpoint of train_gpt2.py (it holds {holds}): "
-                          "give a ckpt_<step>.pt from a --log_dir")
+        holds = (f"keys {', '.join(map(str, checkpoint))}" if isinstance(checkpoint, dict)
+                 else type(checkpoint).__name__)
+        raise ConfigError(f"{not_ours} of train_gpt2.py (it holds {holds}): give a ckpt_<step>.pt "
+                          "from a --log_dir")
     checkpoint["path"] = path
     return checkpoint
 
@@ -1427,14 +1343,12 @@ def check_resumable(checkpoint: dict, cfg: TrainConfig, model_config: GPTConfig)
     differing = [f"{name} {saved[name]} -> {wanted[name]}" for name in RESUME_MUST_MATCH
                  if saved[name] != wanted[name]]
     if differing:
-        raise ConfigError(f"cannot resume from {checkpoint['path']}: {', '.join(differing)} (the "
-                          "checkpoint's model shape, total batch and seq_len define its weights, "
-                          "schedule and data position): use the checkpoint's values")
+        raise ConfigError(f"cannot resume from {checkpoint['path']}: {', '.join(differing)} (they "
+                          "define its weights, schedule and data position): use its values")
 
 
 def rng_states(device: str) -> dict:
-    """The random generators' states; on CUDA this run's GPU's only (a resume on a machine with
-    fewer GPUs could not restore the others')."""
+    """On CUDA this GPU's state only: a machine with fewer GPUs could not restore the others'."""
     numpy_state = np.random.get_state()  # as plain types, which torch.load's safe mode reads
     return {"python": random.getstate(),
             "numpy": (numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]),
@@ -1447,14 +1361,12 @@ def restore_rng_states(states: dict, device: str) -> None:
     name, keys, *rest = states["numpy"]
     np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(states["torch_cpu"])
-    if states["torch_cuda"] and device.startswith("cuda"):  # older checkpoints: one a GPU, 0 first
+    if states["torch_cuda"] and device.startswith("cuda"):
         torch.cuda.set_rng_state(states["torch_cuda"][0], device)
 
 
-def restore_checkpoint(checkpoint: dict | None, cfg: TrainConfig, model: GPT, optimizer, scaler,
-                       loader: DataLoader, device: str, log: "MetricsLog") -> int:
-    """Load a checkpoint's weights, AdamW state, scaler, data position and RNG; the step to go on
-    from (0 without one)."""
+def restore_checkpoint(checkpoint, cfg, model, optimizer, scaler, loader, device, log) -> int:
+    """Weights, AdamW state, scaler, data position and RNG; the step to go on from (0 if none)."""
     if checkpoint is None:
         return 0
     model.load_state_dict(checkpoint["model"])
@@ -1462,15 +1374,11 @@ def restore_checkpoint(checkpoint: dict | None, cfg: TrainConfig, model: GPT, op
     if checkpoint["scaler"]:
         scaler.load_state_dict(checkpoint["scaler"])
     loader.windows_consumed = checkpoint["windows_consumed"]
-    tokens = loader.stream.num_tokens
-    saved_tokens = checkpoint.get("train_tokens", tokens)  # older checkpoints did not store it
-    if saved_tokens != tokens:
-        log.say(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
-                f"{saved_tokens:,}: the stored data position no longer points at the same tokens "
-                "(some will be read twice or skipped); resume with the checkpoint's data to go on "
-                "exactly")
     restore_rng_states(checkpoint["rng"], device)
-    saved, step = checkpoint["config"], checkpoint["step"]
+    saved, step, tokens = checkpoint["config"], checkpoint["step"], loader.stream.num_tokens
+    if checkpoint.get("train_tokens", tokens) != tokens:
+        log.say(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
+                f"{checkpoint['train_tokens']:,}: its data position points at other tokens now")
     schedule = ("max_lr", "min_lr_ratio", "warmup_steps", "max_steps")
     changed = [f"--{name} {saved[name]} -> {getattr(cfg, name)}" for name in schedule
                if saved[name] != getattr(cfg, name)]
@@ -1483,8 +1391,7 @@ def restore_checkpoint(checkpoint: dict | None, cfg: TrainConfig, model: GPT, op
     return step
 
 
-def write_checkpoint(cfg: TrainConfig, launch: Launch, device: str, model: GPT, optimizer, scaler,
-                     loader: DataLoader, steps_done: int, sharded: bool) -> None:
+def write_checkpoint(cfg, launch, device, model, optimizer, scaler, loader, steps_done, sharded):
     """Rank 0 writes <log_dir>/ckpt_<steps_done>.pt; every rank stops if it could not."""
     if sharded:
         optimizer.consolidate_state_dict(to=0)  # every rank sends its share of AdamW's state
@@ -1496,19 +1403,17 @@ def write_checkpoint(cfg: TrainConfig, launch: Launch, device: str, model: GPT, 
                  "windows_consumed": loader.windows_consumed,
                  "train_tokens": loader.stream.num_tokens, "rng": rng_states(device)}
         try:
-            path = os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt")
-            save_checkpoint(path, state, cfg.keep_ckpts)
+            save_checkpoint(os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt"), state,
+                            cfg.keep_ckpts)
         except ConfigError as error:
             problem = str(error)
     if error := first_problem(gather(problem, launch)):
         raise error
 
 
-def check_step_finite(step: int, train_loss: float, grad_norm: float, loss_scaling: bool,
-                      log_dir: str) -> None:
-    """Stop a run whose loss or gradient norm is no longer finite: it has reached the weights, so
-    nothing may be evaluated or saved from them. With float16's loss scaling an infinite norm is
-    routine: the GradScaler skips that step itself."""
+def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir) -> None:
+    """Stop a run whose loss or gradient norm is not finite: nothing may be saved from its weights.
+    Under float16's loss scaling an infinite norm is routine (the scaler skips that step)."""
     if math.isfinite(train_loss) and (loss_scaling or math.isfinite(grad_norm)):
         return
     saved = checkpoint_paths(log_dir)
@@ -1520,10 +1425,8 @@ def check_step_finite(step: int, train_loss: float, grad_norm: float, loss_scali
 
 
 class StopSignal:
-    """SIGTERM (preemption, a time limit), SIGHUP (the terminal closed) or Ctrl-C: finish the step,
-    checkpoint, exit cleanly. The handler only sets a flag, checked between steps; a second Ctrl-C
-    stops at once. A signal ignored at start stays ignored: under nohup a closed session must not
-    stop the run."""
+    """SIGTERM (preemption), SIGHUP (the terminal closed) or Ctrl-C: finish the step, checkpoint,
+    exit. A second Ctrl-C stops at once. A signal ignored at start (nohup) stays ignored."""
 
     def __init__(self):
         self.requested, self.previous = False, {}
@@ -1545,9 +1448,8 @@ class StopSignal:
 
 
 def signalled_on_any_rank(signalled: bool, loaders: list, launch: Launch, device: str) -> bool:
-    """Whether any rank got a stop signal (torchrun forwards one to all, a scheduler may not).
-    Raises on every rank if any read a token id beyond the vocabulary, as its loader named it.
-    One all-reduce carries both flags: it waits for the device."""
+    """Whether any rank got a stop signal (a scheduler may signal only some). Raises on every rank
+    if any read a token id beyond the vocabulary. One all-reduce carries both flags."""
     problem = next((loader.problem for loader in loaders if loader and loader.problem), None)
     flags = [signalled, problem is not None]
     if launch.torchrun:
@@ -1571,9 +1473,17 @@ def make_log_dir(log_dir: str) -> None:
                           "write to") from None
 
 
+def record_step(line: str, default: int) -> int:
+    """A metrics.jsonl record's step; default for the summary, and for a line a kill cut short."""
+    try:
+        return json.loads(line).get("step", default)
+    except json.JSONDecodeError:
+        return default
+
+
 class MetricsLog:
-    """Rank 0's record of the run: prints lines and appends JSON records to <log_dir>/metrics.jsonl
-    (loss.png drawn from them). Silent on every other rank."""
+    """Rank 0 prints lines and appends JSON records to <log_dir>/metrics.jsonl (drawn in loss.png);
+    the other ranks are silent."""
 
     def __init__(self, log_dir: str, active: bool):
         self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
@@ -1586,16 +1496,8 @@ class MetricsLog:
         kept = []
         if resume_step is not None and os.path.exists(self.path):
             with open(self.path) as f:
-                kept = [line for line in f if self.step_of(line, resume_step) < resume_step]
+                kept = [line for line in f if record_step(line, resume_step) < resume_step]
         write_atomically(self.path, lambda temporary: Path(temporary).write_text("".join(kept)))
-
-    @staticmethod
-    def step_of(line: str, default: int) -> int:
-        """A record's step (default for the summary, and for a line cut short by a kill)."""
-        try:
-            return json.loads(line).get("step", default)
-        except json.JSONDecodeError:
-            return default
 
     def say(self, line: str) -> None:
         if self.active:
@@ -1608,18 +1510,7 @@ class MetricsLog:
             with open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
-    def start_line(self, cfg: TrainConfig, device: str, dtype, world_size: int, accum_steps: int,
-                   model: GPT, loader: DataLoader, sharded: bool) -> None:
-        self.say(f"device {device} ({str(dtype).removeprefix('torch.')}, compile "
-                 f"{'on' if compile_enabled(cfg, device) else 'off'}), {world_size} process(es); "
-                 f"{count_parameters(model):,} parameters; {cfg.total_batch_size:,} tokens per "
-                 f"step = {accum_steps} micro-steps x {world_size} process(es) x "
-                 f"{cfg.micro_batch_size} x {cfg.seq_len}; "
-                 f"{'AdamW state sharded over the processes; ' if sharded else ''}"
-                 f"{loader.stream.num_tokens:,} train tokens")
-
-    def train_step(self, step: int, cfg: TrainConfig, loss: float, lr: float, grad_norm: float,
-                   elapsed_ms: float, mfu: float | None) -> None:
+    def train_step(self, step, cfg, loss, lr, grad_norm, elapsed_ms, mfu) -> None:
         tokens_per_s = cfg.total_batch_size * 1000 / elapsed_ms
         record = {"step": step, "train_loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "ms": elapsed_ms, "tokens_per_s": tokens_per_s}
@@ -1630,14 +1521,7 @@ class MetricsLog:
             line += f" | MFU {100 * mfu:.1f}%"
         self.write(record, line)
 
-    def new_epoch(self, step: int, cfg: TrainConfig, epoch: int, loader: DataLoader) -> None:
-        self.write({"step": step, "epoch": epoch},
-                   f"step {step:5d}/{cfg.max_steps} | epoch {epoch} begins: all "
-                   f"{loader.num_windows:,} training windows were used, starting again"
-                   f"{' in a new order' if loader.shuffle else ''}")
-
     def plot(self) -> None:
-        """Redraw <log_dir>/loss.png from the records so far; without matplotlib, say so once."""
         png_path = os.path.join(os.path.dirname(self.path), "loss.png")
         if self.active and not plot_metrics(self.path, png_path) and not self.plot_hint_given:
             self.say(f"{png_path} not written: matplotlib is not installed (pip install "
@@ -1646,8 +1530,7 @@ class MetricsLog:
 
 
 def plot_metrics(metrics_path: str, png_path: str) -> bool:
-    """Train and val loss against step, HellaSwag acc_norm on a second axis; False without
-    matplotlib."""
+    """Train and val loss against step, HellaSwag acc_norm on a second axis."""
     try:
         import matplotlib
 
@@ -1664,40 +1547,33 @@ def plot_metrics(metrics_path: str, png_path: str) -> bool:
     figure, loss_axis = plt.subplots(figsize=(9, 5))
     loss_axis.plot(*series("train_loss"), label="train loss", linewidth=1)
     loss_axis.plot(*series("val_loss"), "o-", label="val loss")
-    loss_axis.set_xlabel("step")
-    loss_axis.set_ylabel("loss")
+    loss_axis.set(xlabel="step", ylabel="loss")
     loss_axis.legend(loc="upper left")
     if series("hellaswag_acc_norm")[0]:
         accuracy_axis = loss_axis.twinx()
         accuracy_axis.plot(*series("hellaswag_acc_norm"), "s-", color="tab:green",
                            label="HellaSwag acc_norm")
-        accuracy_axis.set_ylabel("HellaSwag acc_norm")
         accuracy_axis.legend(loc="upper right")
     write_atomically(png_path, lambda temporary: figure.savefig(temporary, format="png", dpi=100))
     plt.close(figure)
     return True
 
 
-def peak_memory_gib(device_type: str) -> float:
-    """Peak GPU memory allocated on CUDA; peak resident memory of this process elsewhere."""
-    if device_type == "cuda":
-        return torch.cuda.max_memory_allocated() / 2**30
-    import resource  # Unix only; ru_maxrss is in KiB on Linux and in bytes on macOS
-
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak / (2**30 if sys.platform == "darwin" else 2**20)
-
-
-def step_summary(step_ms: list[float], tokens_per_step: int, flops_per_step: float | None,
-                 cfg: TrainConfig, device_type: str, world_size: int) -> dict:
-    """Median speed over the steps after the untimed first ones, peak memory."""
+def step_summary(step_ms, tokens_per_step, flops_per_step, cfg, device_type, world_size) -> dict:
+    """Median speed over the steps after the untimed first ones, and peak memory: allocated on
+    CUDA (and what the caching allocator reserved), this process's resident memory elsewhere."""
     timed = step_ms[UNTIMED_STEPS:] or step_ms
     median_ms = statistics.median(timed)
     summary = {"timed_steps": len(timed), "median_ms": median_ms,
-               "median_tokens_per_s": tokens_per_step * 1000 / median_ms,
-               "peak_memory_gib": peak_memory_gib(device_type)}
-    if device_type == "cuda":  # what the caching allocator held, its slack included
+               "median_tokens_per_s": tokens_per_step * 1000 / median_ms}
+    if device_type == "cuda":
+        summary["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    else:
+        import resource  # Unix only; ru_maxrss is in KiB on Linux and in bytes on macOS
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        summary["peak_memory_gib"] = peak / (2**30 if sys.platform == "darwin" else 2**20)
     if flops_per_step is not None:
         summary["mfu"] = model_flops_utilization(flops_per_step, median_ms, cfg.peak_tflops,
                                                  world_size)
@@ -1716,9 +1592,8 @@ def summary_line(summary: dict, peak_tflops: float) -> str:
 
 
 def make_profiler(cfg: TrainConfig, device_type: str, start_step: int, log: MetricsLog):
-    """On rank 0, a started torch.profiler that skips UNTIMED_STEPS steps, warms up for 1, then
-    records --profile_steps (the loop calls its step()); then it writes a trace and prints the
-    costliest operators. None if the run has too few steps left."""
+    """On rank 0, a started torch.profiler: it skips UNTIMED_STEPS steps, warms up for 1, records
+    --profile_steps, then writes a trace and prints the costliest operators."""
     if not log.active:
         return None
     if cfg.max_steps - start_step < steps_to_profile(cfg):
@@ -1750,7 +1625,6 @@ def make_profiler(cfg: TrainConfig, device_type: str, start_step: int, log: Metr
 
 
 def generate_samples(cfg: TrainConfig, device: str) -> list[str]:
-    """--generate: print the samples and how fast they came."""
     model = build_model(cfg, device)
     _, autocast = precision(cfg, device.split(":")[0])
     started = time.perf_counter()
@@ -1762,8 +1636,8 @@ def generate_samples(cfg: TrainConfig, device: str) -> list[str]:
 
 
 def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
-    """--eval_only: the val loss and HellaSwag accuracy of --init_from's (or fresh) weights; the val
-    loss alone where HellaSwag's file cannot be downloaded."""
+    """The val loss and HellaSwag accuracy of --init_from's (or fresh) weights; the val loss alone
+    where HellaSwag's file cannot be downloaded."""
     problem, hellaswag, missing = None, None, None
     try:
         _, val_loader = open_data(cfg, launch, with_val=True)
@@ -1794,25 +1668,22 @@ def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
 
 
 def export_hf(cfg: TrainConfig) -> str:
-    """--export_hf: --init_from's weights as a transformers GPT-2 folder."""
     try:
-        from transformers import GPT2Config, GPT2LMHeadModel  # only this path needs it
+        from transformers import GPT2Config, GPT2LMHeadModel
     except ImportError:
         raise ConfigError("--export_hf needs the transformers library: pip install transformers") \
             from None
     model_config, state = initial_weights(cfg)
-    vocab_size = min(model_config.vocab_size, GPT2_VOCAB_SIZE)
-    # transformers' other defaults are ours (tanh GELU, LayerNorm eps 1e-5, tied embeddings);
-    # dropout off as in our model, so that fine-tuning there starts from the same function
+    vocab_size = min(model_config.vocab_size, GPT2_VOCAB_SIZE)  # no tokenizer decodes the padding
+    # transformers' other defaults are ours (tanh GELU, LayerNorm eps 1e-5, tied embeddings)
     hf_model = GPT2LMHeadModel(GPT2Config(
         vocab_size=vocab_size, n_positions=model_config.block_size, n_embd=model_config.n_embd,
         n_layer=model_config.n_layer, n_head=model_config.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
         attn_pdrop=0.0))
     hf_model.load_state_dict(state_to_openai(state, vocab_size))
     hf_model.save_pretrained(cfg.export_hf)
-    print(f"wrote {cfg.init_from} to {cfg.export_hf}: GPT2LMHeadModel.from_pretrained("
-          f"{cfg.export_hf!r}) loads it, with GPT-2's tokenizer (AutoTokenizer.from_pretrained("
-          "'gpt2'))", flush=True)
+    print(f"wrote {cfg.init_from} to {cfg.export_hf}: load it with GPT2LMHeadModel.from_pretrained"
+          f"({cfg.export_hf!r}) and GPT-2's tokenizer", flush=True)
     return cfg.export_hf
 
 
@@ -1820,25 +1691,17 @@ def export_hf(cfg: TrainConfig) -> str:
 
 
 def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str:
-    """The line for torch.OutOfMemoryError: where memory ran out and the flag that fixes it."""
-    where = f"out of memory on {device}"
-    if device.startswith("cuda"):
-        held_gib = torch.cuda.max_memory_reserved(device) / 2**30
-        total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
-        where += f" ({held_gib:.1f} of its {total_gib:.1f} GiB held by PyTorch at the peak)"
+    B, T = cfg.micro_batch_size, cfg.seq_len
+    where = f"out of memory on {device}" + ("" if cfg.generate else f" at micro batch {B} x {T}")
     if cfg.generate:
         return f"{where} while generating: lower --num_samples"
-    B, T = cfg.micro_batch_size, cfg.seq_len
     # the largest smaller micro batch that still divides a step trains exactly the same
     smaller = [b for b in range(B - 1, 0, -1) if cfg.total_batch_size % (b * T * world_size) == 0]
     if smaller:
-        return (f"{where} at micro batch {B} x {T}: lower --micro_batch_size to {smaller[0]} (a "
-                f"step stays {cfg.total_batch_size:,} tokens, in more micro-steps)")
-    flags = [flag for flag, on in (("--recompute", cfg.recompute),
-                                   ("--shard_optimizer", cfg.shard_optimizer or world_size == 1))
-             if not on]
-    add = f"add {' and '.join(flags)}, " if flags else ""
-    return f"{where} at micro batch {B} x {T}: {add}lower --seq_len or pick a smaller --model"
+        return (f"{where}: lower --micro_batch_size to {smaller[0]} (a step stays "
+                f"{cfg.total_batch_size:,} tokens, in more micro-steps)")
+    add = "" if cfg.recompute else "add --recompute, "
+    return f"{where}: {add}lower --seq_len or pick a smaller --model"
 
 
 def exit_on_user_error(error: ConfigError, launch: Launch) -> typing.NoReturn:
@@ -1853,7 +1716,7 @@ def exit_on_user_error(error: ConfigError, launch: Launch) -> typing.NoReturn:
 @record  # under torchrun, the failure summary then names the failing rank and its traceback
 def main(cfg: TrainConfig | None, launch: Launch | None = None,
          problem: ConfigError | None = None) -> TrainResult | dict | list[str] | str:
-    """Run cfg; under torchrun every rank first joins the process group, then all check the config
+    """Run cfg. Under torchrun every rank joins the process group first, then all check the config
     together. cfg is None, and problem says why, where the flags did not parse."""
     launch = launch or launch_from_env(os.environ)
     device = "cpu"

@@ -163,9 +163,10 @@ def test_a_token_beyond_the_vocabulary_on_one_rank_stops_every_rank_with_one_lin
 
 def test_ranks_that_read_different_data_are_refused_with_one_line(tmp_path):
     result = torchrun(2, [ENTRY, "short_data", "1"] + TINY_ARGS + ["--eval_every", "5", "--log_dir", str(tmp_path)])
-    assert_every_rank_stopped_with_one_line(result, "error: the ranks read different data ((train, val) tokens on each: "
-                                                    "[(304222, 33803), (303222, 33803)]): give every machine the same "
-                                                    "shards")
+    assert_every_rank_stopped_with_one_line(result, "error: the ranks found different data or checkpoints ((train "
+                                                    "tokens, val tokens, checkpoint step) on each: [(304222, 33803, "
+                                                    "None), (303222, 33803, None)]): give every machine the same "
+                                                    "shards and a shared --log_dir")
     assert "step " not in result.stdout
 
 
@@ -175,9 +176,10 @@ def test_ranks_that_find_different_checkpoints_are_refused_with_one_line(tmp_pat
     first = run_python(["train_gpt2.py"] + flags + ["--stop_after_steps", "2"], env=ONE_THREAD)
     assert first.returncode == 0, first.stderr
     result = torchrun(2, [ENTRY, "no_checkpoint_on", "1"] + flags + ["--resume", "auto"])
-    assert_every_rank_stopped_with_one_line(result, "error: the ranks found different checkpoints (steps [2, None]): put "
-                                                    "--log_dir on storage that every machine shares, or pass --resume "
-                                                    "PATH")
+    assert_every_rank_stopped_with_one_line(result, "error: the ranks found different data or checkpoints ((train "
+                                                    "tokens, val tokens, checkpoint step) on each: [(304222, None, 2), "
+                                                    "(304222, None, None)]): give every machine the same shards and a "
+                                                    "shared --log_dir")
     assert "step " not in result.stdout
 
 

@@ -290,22 +290,15 @@ def test_running_out_of_device_memory_is_one_line_naming_the_flag_to_lower(tmp_p
     assert capsys.readouterr().err == f"error: out of memory on cpu {fix}\n"
 
 
-def test_the_out_of_memory_line_on_cuda_says_how_much_was_in_use(monkeypatch):
-    properties = type("DeviceProperties", (), {"total_memory": 80 * 2**30})
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: properties)
-    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device: 79.5 * 2**30)
+def test_the_out_of_memory_line_names_the_largest_micro_batch_that_divides_a_step():
     # each of 8 GPUs takes 96 sequences a step: the largest micro batch under 48 that divides 96 is 32, not 24
     cfg = t.parse_args(["--micro_batch_size", "48", "--total_batch_size", str(48 * 1024 * 8 * 2)])
     assert t.out_of_memory_message(cfg, "cuda:3", world_size=8) == (
-        "out of memory on cuda:3 (79.5 of its 80.0 GiB held by PyTorch at the peak) at micro batch 48 x 1024: lower "
-        "--micro_batch_size to 32 (a step stays 786,432 tokens, in more micro-steps)")
-    # at micro batch 1 under DDP, AdamW's state can be shared out too
+        "out of memory on cuda:3 at micro batch 48 x 1024: lower --micro_batch_size to 32 (a step stays 786,432 "
+        "tokens, in more micro-steps)")
     cfg = t.parse_args(["--model", "gpt2-xl", "--micro_batch_size", "1", "--total_batch_size", str(1024 * 8)])
-    assert t.out_of_memory_message(cfg, "cuda:3", world_size=8).endswith(
-        "at micro batch 1 x 1024: add --recompute and --shard_optimizer, lower --seq_len or pick a smaller --model")
-    cfg = t.parse_args(["--micro_batch_size", "1", "--total_batch_size", str(1024 * 8), "--shard_optimizer"])
-    assert t.out_of_memory_message(cfg, "cuda:3", world_size=8).endswith(
-        "at micro batch 1 x 1024: add --recompute, lower --seq_len or pick a smaller --model")
+    assert t.out_of_memory_message(cfg, "cuda:3", world_size=8) == (
+        "out of memory on cuda:3 at micro batch 1 x 1024: add --recompute, lower --seq_len or pick a smaller --model")
 
 
 def test_a_log_dir_that_cannot_be_made_is_one_line(tmp_path, capsys):
