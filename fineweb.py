@@ -4,9 +4,8 @@
     python3 fineweb.py --input 'my_corpus/*.jsonl' --out_dir my_shards
     python3 fineweb.py --resume                          # the same command again after a stop
 
-Each document becomes <|endoftext|> and its GPT-2 tokens; the stream is cut into shards of
---shard_size tokens, the first for validation, the rest for training. The bytes are the same for
-any number of workers, and --resume tokenizes only what the complete shards lack.
+Each document becomes <|endoftext|> and its GPT-2 tokens, cut into shards of --shard_size tokens:
+the first for validation, the rest for training; the same bytes for any number of workers.
 """
 
 import argparse
@@ -91,16 +90,10 @@ def read_jsonl(path: str, text_field: str):
                 record = json.loads(line)
             except json.JSONDecodeError:
                 raise ConfigError(f"{path} line {number} is not valid JSON") from None
-            if not isinstance(record, dict):
-                raise ConfigError(f"{path} line {number} is a JSON {type(record).__name__}, not an "
-                                  "object: give one JSON object per line")
-            text = record.get(text_field)
-            if text_field not in record:
-                raise ConfigError(f"{path} line {number} has no field {text_field!r}: pass "
-                                  "--text_field")
+            text = record.get(text_field) if isinstance(record, dict) else None
             if not isinstance(text, str):
-                raise ConfigError(f"{path} line {number}: {text_field!r} is "
-                                  f"{json.dumps(text)[:40]}, not a string: fix or drop that record")
+                raise ConfigError(f"{path} line {number} has no string {text_field!r} "
+                                  f"({line.strip()[:40]}): pass --text_field, or fix that record")
             yield text
 
 
@@ -133,7 +126,7 @@ READERS = {".jsonl": read_jsonl, ".jsonl.gz": read_jsonl, ".parquet": read_parqu
 
 
 def input_files(patterns: list[str]) -> list[str]:
-    """Each pattern's files in sorted order, the patterns in the order given; each a known type."""
+    """Each pattern's files, sorted, in the order of the patterns."""
     paths = []
     for pattern in patterns:
         paths += sorted(glob.glob(pattern)) or [pattern]
@@ -188,9 +181,8 @@ def check_hub_reachable(dataset: str) -> None:
 
 
 def read_hub_documents(cfg, skip: int, resume_note: dict | None, notes: collections.deque):
-    """The dataset's documents after the first `skip`, going on from resume_note (taken at or before
-    `skip`) where the stream can. Every STREAM_NOTE_EVERY documents it appends to `notes` the
-    stream's state_dict() with the datasets version and the next document's digest."""
+    """The dataset's documents after the first `skip`, from resume_note on where the stream can.
+    Every STREAM_NOTE_EVERY documents it notes the stream's state_dict() in `notes`."""
     import datasets
 
     def load():
@@ -227,8 +219,8 @@ def read_hub_documents(cfg, skip: int, resume_note: dict | None, notes: collecti
 
 
 def records_from_note(stream, note: dict, text_field: str, datasets_version: str):
-    """The stream's records from the note's document on; None where it cannot go on there (another
-    datasets version wrote the state, or it leads to another document than the note's)."""
+    """The stream's records from the note's document on; None where another datasets version wrote
+    the state, or it leads to another document than the note's."""
     if note["datasets"] != datasets_version:
         return None
     try:
@@ -275,8 +267,8 @@ def tokenize_documents(texts: list[str]) -> list[np.ndarray]:
 
 
 def start_worker() -> None:
-    """Each worker leaves Ctrl-C to the main process, which says it once; and it exits once the main
-    process is gone (killed outright, it would leave them waiting for work forever: tested)."""
+    """Leave Ctrl-C to the main process; exit once it is gone (killed outright, it would leave the
+    workers waiting for work forever: tested)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
 
@@ -289,8 +281,7 @@ def start_worker() -> None:
 
 
 def end_the_run_now(message: str, status: int):
-    """Kill the workers, say why in one line, exit: shards and the marker are only replaced whole.
-    Nothing is shut down, since a pool whose worker died mid-result may wait for it forever."""
+    """Kill the workers, say why, exit without shutting the pool down (it may wait forever)."""
     for worker in multiprocessing.active_children():
         worker.kill()
     print(message, file=sys.stderr, flush=True)
@@ -302,8 +293,7 @@ WORKER_DIED = ("error: a tokenizer process died (the system may have run out of 
 
 
 def tokenized_in_order(executor, documents, chunk_size: int, in_flight: int):
-    """Each document's tokens in document order, from chunks of which at most in_flight are queued
-    at a time, so memory stays bounded. A worker that dies ends the run with one line."""
+    """Each document's tokens in order; at most in_flight chunks queued, so memory stays bounded."""
     documents = iter(documents)
     chunks = iter(lambda: list(itertools.islice(documents, chunk_size)), [])
     pending, workers_seen = collections.deque(), set()
@@ -320,9 +310,8 @@ def tokenized_in_order(executor, documents, chunk_size: int, in_flight: int):
 
 
 def result_when_done(chunk: concurrent.futures.Future, workers_seen: set[int]) -> list:
-    """The chunk's result. A worker killed while sending one leaves a cut message that the
-    executor's thread waits on for good (1 run in 40 of the killed-worker test hung so): a worker
-    seen alive and now gone tells then."""
+    """A worker killed while sending a result hangs the executor (1 run in 40 of the killed-worker
+    test): a worker seen alive and now gone ends the run then."""
     while True:
         try:
             return chunk.result(timeout=1)
@@ -333,8 +322,7 @@ def result_when_done(chunk: concurrent.futures.Future, workers_seen: set[int]) -
 
 @contextlib.contextmanager
 def tokenizing(documents, workers: int):
-    """The documents' token arrays in order, the same for any number of workers. Leaving early (an
-    error, Ctrl-C) lets the workers finish the few chunks they hold."""
+    """The documents' token arrays in order, the same for any number of workers."""
     if workers == 1:
         yield map(tokenize_document, documents)
         return
@@ -380,10 +368,9 @@ class Position:
 
 def write_shards(token_arrays, out_dir: str, prefix: str, shard_size: int,
                  start: Position = Position(), on_shard=None, progress=None):
-    """Cut the documents' tokens into shards of shard_size (the last holds the rest); a document
-    spills over into the next shard. token_arrays follow start's documents, the first of them less
-    the tokens already written. After each complete shard, on_shard gets the new Position.
-    Returns (documents, tokens, shards), counted from the start of the stream."""
+    """Cut the tokens into shards of shard_size (the last holds the rest), documents spilling over.
+    token_arrays go on from start (the first less the tokens already written); on_shard gets each
+    complete shard's Position. Returns (documents, tokens, shards) from the stream's start."""
     buffer = np.empty(shard_size, dtype=np.uint16)
     filled, documents, shards = 0, start.documents, start.shards
     total_tokens, already_written = start.shards * shard_size, start.tokens_into_next
@@ -428,8 +415,8 @@ def write_marker(out_dir: str, settings: dict, position: Position, stream_note: 
 
 
 def resume_position(out_dir: str, settings: dict) -> tuple[Position, dict | None]:
-    """Where the stopped run in out_dir can be gone on from (its settings checked, its complete
-    shards kept, the rest removed), and its last note of the hub's stream."""
+    """Where the stopped run in out_dir goes on (settings checked, complete shards kept, the rest
+    removed), and its last note of the hub's stream."""
     marker = os.path.join(out_dir, INCOMPLETE_MARKER)
     if not os.path.exists(marker):
         if shard_files(out_dir):
@@ -464,8 +451,7 @@ def resume_position(out_dir: str, settings: dict) -> tuple[Position, dict | None
 
 
 def clear_out_dir(out_dir: str, overwrite: bool) -> None:
-    """Make out_dir, and leave it empty; only a marker (a run stopped before its first shard) may
-    be there already without --overwrite."""
+    """Make out_dir empty; without --overwrite only a marker (no shard written yet) may be there."""
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as error:

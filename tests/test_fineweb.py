@@ -424,7 +424,8 @@ def test_error_record_without_the_text_field_names_file_and_line(tmp_path, worke
     corpus.write_text('{"text": "fine"}\n{"text": "also fine"}\n{"body": "no text here"}\n')
     line = one_line_error(run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out"),
                                        "--workers", workers]))
-    assert line == f"error: {corpus} line 3 has no field 'text': pass --text_field"
+    assert line == f"error: {corpus} line 3 has no string 'text' ({{\"body\": \"no text here\"}}): pass --text_field, or fix " \
+                   "that record"
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["INCOMPLETE"]  # no shard, and the folder says why
     if workers == "1":  # with no shard written, the corrected input goes into the same folder without --overwrite
         corpus.write_text('{"text": "' + "word " * 1100 + '"}\n')  # 1,102 tokens
@@ -663,7 +664,7 @@ def test_end_to_end_train_on_the_shards_one_and_two_processes(corpus_shards, tmp
     ("corpus.jsonl", '{"text": "fine"}\n', ["--prefix", "a/b"],
      "--prefix a/b holds a '/': it starts the shards' file names, and --out_dir is their folder"),
     ("corpus.jsonl", '{"text": "fine"}\n["a", "list"]\n', [],
-     "{path} line 2 is a JSON list, not an object: give one JSON object per line"),
+     "{path} line 2 has no string 'text' ([\"a\", \"list\"]): pass --text_field, or fix that record"),
     ("corpus.jsonl", '{"text": "a short corpus"}\n', [],
      "the corpus holds 4 tokens, less than one --shard_size (100,000,000): only the validation shard was written, "
      "and training needs more; give more text"),
@@ -674,9 +675,9 @@ def test_end_to_end_train_on_the_shards_one_and_two_processes(corpus_shards, tmp
                                                             "compress it again"),
     ("corpus.parquet", b"PAR1 not really parquet", [], "{path} is not a parquet file ({reason}): check the file"),
     ("corpus.jsonl", '{"text": "fine"}\n{"text": null}\n', [],
-     "{path} line 2: 'text' is null, not a string: fix or drop that record"),
+     "{path} line 2 has no string 'text' ({{\"text\": null}}): pass --text_field, or fix that record"),
     ("corpus.jsonl", '{"text": "fine"}\n{"text": ["a", "list"]}\n', ["--workers", "2"],
-     "{path} line 2: 'text' is [\"a\", \"list\"], not a string: fix or drop that record"),
+     "{path} line 2 has no string 'text' ({{\"text\": [\"a\", \"list\"]}}): pass --text_field, or fix that record"),
     ("corpus.txt", b"caf\xe9 in Latin-1", [],
      "{path} is not UTF-8 text (invalid continuation byte at byte 3): convert it to UTF-8"),
     ("corpus.jsonl", '{"text": "fine"}\n', ["--out_dir", "{path}"], "cannot make --out_dir {path} (it is a file): "
