@@ -632,9 +632,8 @@ def test_an_interrupted_run_leaves_a_folder_the_trainer_refuses(tmp_path):
         "INCOMPLETE", "out_train_000001.npy", "out_train_000002.npy", "out_train_000003.npy", "out_val_000000.npy"]
     with pytest.raises(train_gpt2.ConfigError) as raised:
         train_gpt2.find_shards(str(tmp_path / "out"), "val")
-    assert str(raised.value) == (f"--data_dir {tmp_path / 'out'} is incomplete: fineweb.py is still writing it, or "
-                                 "was interrupted (its INCOMPLETE file is there): wait for it, or rerun fineweb.py "
-                                 "with --resume")
+    assert str(raised.value) == (f"--data_dir {tmp_path / 'out'} is incomplete (fineweb.py's INCOMPLETE file is "
+                                 "there): wait for fineweb.py, or rerun it with --resume")
     corpus.write_text('{"text": "' + "word " * 4100 + '"}\n')
     assert run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out"), "--shard_size", "1025",
                         "--overwrite"]).returncode == 0
