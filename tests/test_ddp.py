@@ -26,12 +26,14 @@ ABORT_AT_EXIT = "terminate called without an active exception\n"
 
 
 def torchrun(nproc, args, timeout=240, env=None):
-    """Run torchrun; a launch that a rank's abort at exit made fail runs once more (every launch in these tests
-    gives the same result when repeated: a finished run resumes to nothing left to do, a stopped one stops again)."""
+    """Run torchrun; a launch that a rank's abort at exit made fail runs once more (a finished run resumes to nothing
+    left to do, a stopped one stops again). Not one that told a user mistake: it may not be the same twice (a full
+    disk leaves a checkpoint that a fresh run then refuses), and its ranks did stop with the line."""
     command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + args
     env = {**ONE_THREAD, **(env or {})}
     result = run_python(command, env=env, timeout=timeout)
-    if result.returncode != 0 and ABORT_AT_EXIT in result.stderr:
+    told_a_mistake = any(line.startswith("error: ") for line in result.stderr.splitlines())
+    if result.returncode != 0 and ABORT_AT_EXIT in result.stderr and not told_a_mistake:
         result = run_python(command, env=env, timeout=timeout)
     return result
 
