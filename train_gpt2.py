@@ -330,7 +330,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             loss_sum += (row_max + sum_exp.log() - target_logits).sum()
             if wants_grad:  # d(mean loss)/d(logits) = (softmax - one_hot(target)) / N, in place
                 grad_logits = exp_shifted.div_(sum_exp)
-                grad_logits[torch.arange(len(chunk_targets)), chunk_targets] -= 1
+                row_index = torch.arange(len(chunk_targets), device=logits.device)
+                grad_logits[row_index, chunk_targets] -= 1
                 grad_logits = grad_logits.div_(num_rows).to(matmul_dtype)
                 grad_hidden[rows] = grad_logits @ matmul_weight
                 grad_weight += (grad_logits.t() @ chunk_hidden).float()
@@ -1102,7 +1103,8 @@ def convert_to_float8(model: GPT) -> None:
     except ImportError:
         raise ConfigError("--fp8 needs torchao: pip install torchao") from None
     convert_to_float8_training(model.transformer, module_filter_fn=lambda module, name: (
-        isinstance(module, nn.Linear) and module.in_features % 16 == module.out_features % 16 == 0))
+        isinstance(module, nn.Linear) and module.in_features % 16 == 0
+        and module.out_features % 16 == 0))
 
 
 def precision(cfg: TrainConfig, device_type: str):
@@ -1147,8 +1149,9 @@ def prepare_training(cfg: TrainConfig, launch: Launch, device: str, log) -> Prep
         checkpoint = find_resume_checkpoint(cfg, log.say)
         if checkpoint is not None:
             check_resumable(checkpoint, cfg, model.config)
-        hellaswag = open_hellaswag(cfg, launch, model.config.block_size) \
-            if cfg.hellaswag_every else []
+        hellaswag = []
+        if cfg.hellaswag_every:
+            hellaswag = open_hellaswag(cfg, launch, model.config.block_size)
         if cfg.fp8:
             convert_to_float8(model)
         tokenizer = gpt2_tokenizer() if cfg.sample_every else None
@@ -1675,7 +1678,8 @@ def export_hf(cfg: TrainConfig) -> str:
             from None
     model_config, state = initial_weights(cfg)
     vocab_size = min(model_config.vocab_size, GPT2_VOCAB_SIZE)  # no tokenizer decodes the padding
-    # transformers' other defaults are ours (tanh GELU, LayerNorm eps 1e-5, tied embeddings)
+    # transformers' other defaults are ours (tanh GELU, LayerNorm eps 1e-5, tied embeddings);
+    # dropout off as in our model, so that fine-tuning there starts from the same function
     hf_model = GPT2LMHeadModel(GPT2Config(
         vocab_size=vocab_size, n_positions=model_config.block_size, n_embd=model_config.n_embd,
         n_layer=model_config.n_layer, n_head=model_config.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
@@ -1691,10 +1695,10 @@ def export_hf(cfg: TrainConfig) -> str:
 
 
 def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str:
-    B, T = cfg.micro_batch_size, cfg.seq_len
-    where = f"out of memory on {device}" + ("" if cfg.generate else f" at micro batch {B} x {T}")
     if cfg.generate:
-        return f"{where} while generating: lower --num_samples"
+        return f"out of memory on {device} while generating: lower --num_samples"
+    B, T = cfg.micro_batch_size, cfg.seq_len
+    where = f"out of memory on {device} at micro batch {B} x {T}"
     # the largest smaller micro batch that still divides a step trains exactly the same
     smaller = [b for b in range(B - 1, 0, -1) if cfg.total_batch_size % (b * T * world_size) == 0]
     if smaller:
