@@ -462,13 +462,8 @@ class DataLoader:
     shuffle each epoch visits the windows in a permutation drawn from (seed, epoch) alone."""
 
     def __init__(self, stream: TokenStream, batch_size: int, seq_len: int, rank: int,
-                 world_size: int, windows_needed: int, shuffle: bool, seed: int, name: str,
-                 need: str, fix: str):
+                 world_size: int, shuffle: bool, seed: int):
         self.num_windows = max(0, stream.num_tokens - 1) // seq_len
-        if self.num_windows < windows_needed:  # need: what takes that many; fix: what to change
-            raise ConfigError(f"the {name} data holds {stream.num_tokens:,} tokens, "
-                              f"{self.num_windows:,} windows of {seq_len} + 1, but {need} needs "
-                              f"{windows_needed:,}: {fix}")
         self.stream, self.batch_size, self.seq_len = stream, batch_size, seq_len
         self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
         self.windows_consumed = 0
@@ -544,9 +539,9 @@ def launch_from_env(environ) -> Launch:
 def pick_device(requested: str, launch: Launch, gpu_count: int, mps_available: bool) -> str:
     if requested == "auto":
         requested = "cuda" if gpu_count else "mps" if mps_available else "cpu"
-    kind, _, index = requested.partition(":")
-    if kind not in ("cpu", "cuda", "mps") or index and (kind != "cuda" or not index.isdigit()):
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", requested):
         raise ConfigError(f"unknown --device {requested!r}: use auto, cpu, cuda, cuda:N or mps")
+    kind, _, index = requested.partition(":")
     if kind == "cuda" and not gpu_count or kind == "mps" and not mps_available:
         raise ConfigError(f"--device {requested} is not available on this machine: use --device "
                           "auto or cpu")
@@ -937,7 +932,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
     run_steps, limit = cfg.max_steps, "--max_steps"
     if 0 < cfg.stop_after_steps < cfg.max_steps:
         run_steps, limit = cfg.stop_after_steps, "--stop_after_steps"
-    alone = ["use python, not torchrun"] * (world_size > 1)
+    modes = [f"--{mode}" for mode in ("generate", "eval_only", "export_hf") if getattr(cfg, mode)]
     mistakes = [
         (n_embd % n_head, f"--n_embd {n_embd} is not divisible by --n_head {n_head}: pick a width "
                           "that is"),
@@ -966,13 +961,11 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
          f"--init_from {cfg.init_from} is neither {', '.join(MODEL_SHAPES)} nor a checkpoint file"),
         (cfg.init_from and shape_flags, f"--init_from {cfg.init_from} sets the model's shape: "
                                         f"drop {' '.join('--' + name for name in shape_flags)}"),
-        (cfg.generate and (cfg.eval_only or alone), "--generate runs alone in one process: " +
-         ", and ".join(["drop --eval_only"] * cfg.eval_only + alone)),
-        (cfg.export_hf and (not cfg.init_from or cfg.generate or cfg.eval_only or alone),
-         "--export_hf runs alone in one process: " + ", and ".join(
-             ["add --init_from with the weights to export"] * (not cfg.init_from)
-             + [f"drop --{mode}" for mode in ("generate", "eval_only") if getattr(cfg, mode)]
-             + alone)),
+        (len(modes) > 1, f"{' and '.join(modes)} are separate runs: pick one"),
+        (cfg.export_hf and not cfg.init_from, "--export_hf needs --init_from with the weights to "
+                                              "export"),
+        ((cfg.generate or cfg.export_hf) and world_size > 1, f"{' '.join(modes)} runs in one "
+                                                             "process: use python, not torchrun"),
         (cfg.hellaswag_path and not os.path.isfile(cfg.hellaswag_path),
          f"--hellaswag_path {cfg.hellaswag_path} does not exist: give hellaswag_val.jsonl's path"),
         (cfg.text_file and not cfg.data_dir and not os.path.isfile(cfg.text_file),
@@ -1037,18 +1030,23 @@ def open_data(cfg: TrainConfig, launch: Launch, with_val: bool) -> tuple[DataLoa
                                                   "--data_dir")
     train_stream, val_stream = load_token_streams(cfg)
     B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
-    step_windows, tokens = cfg.total_batch_size // T, f"{cfg.total_batch_size:,} tokens"
     shuffle = cfg.shuffle if cfg.shuffle is not None else bool(cfg.data_dir)
+    train_loader = DataLoader(train_stream, B, T, launch.rank, W, shuffle, cfg.seed)
+    # the validation windows in order: the same ones every time
+    val_loader = DataLoader(val_stream, B, T, launch.rank, W, False, cfg.seed) if with_val else None
+    step_windows, tokens = cfg.total_batch_size // T, f"{cfg.total_batch_size:,} tokens"
     more = "more shards" if cfg.data_dir else "--data_dir with fineweb.py's shards"
-    train_loader = DataLoader(
-        train_stream, B, T, launch.rank, W, step_windows, shuffle, cfg.seed, "training",
-        f"one step of --total_batch_size {tokens}", f"train on more data ({more}) or lower "
-        "--total_batch_size (the README's quick start trains a small model on tiny Shakespeare)")
-    val_loader = DataLoader(  # in order: the same windows every time
-        val_stream, B, T, launch.rank, W, step_windows * cfg.eval_steps, False, cfg.seed,
-        "validation", f"an evaluation of --eval_steps {cfg.eval_steps} steps of {tokens}",
-        f"lower --eval_steps or --total_batch_size, or use more data ({more})"
-    ) if with_val else None
+    for loader, name, windows, need, fix in [
+        (train_loader, "training", step_windows, f"one step of --total_batch_size {tokens}",
+         f"train on more data ({more}) or lower --total_batch_size (the README's quick start "
+         "trains a small model on tiny Shakespeare)"),
+        (val_loader, "validation", step_windows * cfg.eval_steps, f"an evaluation of --eval_steps "
+         f"{cfg.eval_steps} steps of {tokens}", f"lower --eval_steps or --total_batch_size, or use "
+         f"more data ({more})")]:
+        if loader and loader.num_windows < windows:
+            raise ConfigError(f"the {name} data holds {loader.stream.num_tokens:,} tokens, "
+                              f"{loader.num_windows:,} windows of {T} + 1, but {need} needs "
+                              f"{windows:,}: {fix}")
     return train_loader, val_loader
 
 

@@ -123,7 +123,7 @@ def grad_sync(out):
         torch.manual_seed(0)
         model = DDP(train_gpt2.GPT(train_gpt2.GPTConfig(2, 2, 32, block_size=16, vocab_size=64)))
         # 4 micro-steps x 2 ranks x 2 windows of 16 + 1 tokens a step, in order
-        loader = train_gpt2.DataLoader(stream, 2, 16, launch.rank, launch.world_size, 4 * 2 * 2, False, 0, "training", "a step", "too little data")
+        loader = train_gpt2.DataLoader(stream, 2, 16, launch.rank, launch.world_size, False, 0)
         scaler = torch.amp.GradScaler("cpu", enabled=False)
         train_gpt2.forward_backward(model, loader, 4, "cpu", contextlib.nullcontext, scaler, sync_last_only)
         gradients.append({n: p.grad for n, p in model.module.named_parameters()})

@@ -35,7 +35,7 @@ def main():
             np.save(Path(folder) / f"mem_train_{i:06d}.npy",
                     np.random.default_rng(i).integers(0, 50257, shard_tokens, dtype=np.uint16))
         stream = train_gpt2.TokenStream([train_gpt2.open_shard(p) for p in train_gpt2.find_shards(folder, "train")])
-        loader = train_gpt2.DataLoader(stream, B, T, 0, 1, B, True, 0, "training", "a step", "too little data")
+        loader = train_gpt2.DataLoader(stream, B, T, 0, 1, True, 0)
         before = memory_mib()
         started = time.perf_counter()
         while loader.epoch == 0:

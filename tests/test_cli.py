@@ -181,7 +181,7 @@ def test_help_explains_every_flag():
         (["--temperature", "0"], "--temperature 0.0 is not above 0"),
         (["--max_new_tokens", "-1", "--eps", "-1"], "--max_new_tokens -1, --eps -1.0: must be 0 or more"),
         (["--init_from", "gpt5"], "--init_from gpt5 is neither gpt2, gpt2-medium, gpt2-large, gpt2-xl nor a checkpoint file"),
-        (["--generate", "--eval_only"], "--generate runs alone in one process: drop --eval_only"),
+        (["--generate", "--eval_only"], "--generate and --eval_only are separate runs: pick one"),
         (["--init_from", "gpt2", "--resume", "auto"],
          "--init_from starts a new run and --resume continues one: drop one"),
         (["--hellaswag_path", "/nowhere/hs.jsonl"],
@@ -198,10 +198,11 @@ def test_more_config_mistakes(args, message):
     assert str(raised.value) == message
 
 
-def test_generate_under_torchrun_names_only_that():
+@pytest.mark.parametrize("mode", [["--generate"], ["--export_hf", "hf", "--init_from", "gpt2"]])
+def test_generate_or_export_under_torchrun_names_only_that(mode):
     with pytest.raises(t.ConfigError) as raised:
-        t.check_config(t.parse_args(TINY_ARGS + ["--generate"]), world_size=2)
-    assert str(raised.value) == "--generate runs alone in one process: use python, not torchrun"
+        t.check_config(t.parse_args(mode), world_size=2)
+    assert str(raised.value) == f"{mode[0]} runs in one process: use python, not torchrun"
 
 
 def test_one_gpu_named_for_several_processes():

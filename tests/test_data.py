@@ -11,8 +11,8 @@ def arange_stream(n, pieces=1):
     return t.TokenStream(np.array_split(np.arange(n, dtype=np.uint16), pieces))
 
 
-def loader(stream, B=2, T=4, rank=0, world_size=1, windows_per_step=4, shuffle=False, seed=0):
-    return t.DataLoader(stream, B, T, rank, world_size, windows_per_step, shuffle, seed, "training", "a step", "too little data")
+def loader(stream, B=2, T=4, rank=0, world_size=1, shuffle=False, seed=0):
+    return t.DataLoader(stream, B, T, rank, world_size, shuffle, seed)
 
 
 def starts(data_loader, batches):
@@ -49,7 +49,7 @@ def test_every_usable_window_then_a_new_epoch():
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_an_epoch_over_several_shards_uses_every_window_exactly_once(shuffle):
     stream = arange_stream(1001, pieces=7)  # shard ends fall inside windows
-    data = loader(stream, B=5, T=10, windows_per_step=10, shuffle=shuffle, seed=3)
+    data = loader(stream, B=5, T=10, shuffle=shuffle, seed=3)
     assert data.num_windows == 100
     seen = starts(data, 20)
     assert sorted(seen) == list(range(0, 1000, 10))
@@ -60,7 +60,7 @@ def test_shuffle_off_is_the_contiguous_layout_token_for_token():
     tokens = np.random.default_rng(0).integers(0, 50257, size=2000).astype(np.uint16)
     stream = t.TokenStream(np.array_split(tokens, 3))
     B, T, W = 2, 8, 3
-    ranks = [loader(stream, B, T, r, W, windows_per_step=12, shuffle=False) for r in range(W)]
+    ranks = [loader(stream, B, T, r, W, shuffle=False) for r in range(W)]
     for micro_step in range(5):
         for r, data in enumerate(ranks):
             offset = (micro_step * W + r) * B * T  # rank r at r*B*T, advancing W*B*T
@@ -73,8 +73,8 @@ def test_shuffle_off_is_the_contiguous_layout_token_for_token():
 def test_ranks_split_each_step_into_the_single_process_windows(world_size, batch_size):
     """12 windows a step; shuffle on; over 10 steps, across shard boundaries and an epoch boundary."""
     stream = arange_stream(801, pieces=5)  # 100 windows of 8 + 1: an epoch ends inside step 9
-    single = loader(stream, B=12, T=8, windows_per_step=12, shuffle=True, seed=5)
-    ranks = [loader(stream, batch_size, 8, r, world_size, 12, True, 5) for r in range(world_size)]
+    single = loader(stream, B=12, T=8, shuffle=True, seed=5)
+    ranks = [loader(stream, batch_size, 8, r, world_size, True, 5) for r in range(world_size)]
     micro_steps = 12 // (batch_size * world_size)
     for _ in range(10):
         assert step_windows(ranks, micro_steps) == sorted(starts(single, 1))
@@ -91,27 +91,28 @@ def test_order_depends_on_seed_and_epoch_only():
 
 def test_the_stored_position_resumes_the_same_windows_at_another_world_size():
     stream = arange_stream(801, pieces=3)
-    uninterrupted = loader(stream, B=12, T=8, windows_per_step=12, shuffle=True, seed=1)
-    two_ranks = [loader(stream, 3, 8, r, 2, 12, True, 1) for r in range(2)]
+    uninterrupted = loader(stream, B=12, T=8, shuffle=True, seed=1)
+    two_ranks = [loader(stream, 3, 8, r, 2, True, 1) for r in range(2)]
     for _ in range(4):
         step_windows(two_ranks, 2)
         starts(uninterrupted, 1)
     position = two_ranks[0].windows_consumed  # what a checkpoint stores: one integer
     assert position == two_ranks[1].windows_consumed == 48
-    three_ranks = [loader(stream, 2, 8, r, 3, 12, True, 1) for r in range(3)]
+    three_ranks = [loader(stream, 2, 8, r, 3, True, 1) for r in range(3)]
     for data in three_ranks:
         data.windows_consumed = position
     for _ in range(10):  # past the end of the epoch too
         assert step_windows(three_ranks, 2) == sorted(starts(uninterrupted, 1))
 
 
-def test_data_with_fewer_windows_than_a_step_is_refused():
-    with pytest.raises(t.ConfigError, match=r"^the training data holds 16 tokens, 3 windows of 4 \+ 1, but a step "
-                                            r"needs 4: too little data$"):  # the need and the fix are the caller's
-        loader(arange_stream(16))
-    assert loader(arange_stream(17)).num_windows == 4  # B*T+1 tokens are enough for one step of B windows
-    with pytest.raises(t.ConfigError, match=r"holds 0 tokens, 0 windows of 4 \+ 1"):  # an empty file: not -1 windows
-        loader(t.TokenStream([np.zeros(0, dtype=np.uint16)]))
+def test_data_with_fewer_windows_than_a_step_is_refused(monkeypatch):
+    """B*T+1 tokens make B windows of T + 1: 16 tokens are 3 windows of 4 + 1, one short of a step of 4."""
+    assert [loader(arange_stream(n)).num_windows for n in (16, 17, 0)] == [3, 4, 0]  # an empty file: not -1 windows
+    cfg = t.parse_args(["--seq_len", "4", "--micro_batch_size", "2", "--total_batch_size", "16"])
+    monkeypatch.setattr(t, "load_token_streams", lambda cfg: (arange_stream(16), arange_stream(17)))
+    with pytest.raises(t.ConfigError, match=r"^the training data holds 16 tokens, 3 windows of 4 \+ 1, but one step "
+                                            r"of --total_batch_size 16 tokens needs 4: train on more data"):
+        t.open_data(cfg, t.Launch(), with_val=False)
 
 
 @pytest.mark.parametrize("content, reason", [(b"caf\xe9 in Latin-1", "not UTF-8: invalid continuation byte at byte 3"),
@@ -156,7 +157,7 @@ def test_shards_are_memory_mapped_and_read_as_one_stream(tmp_path):
     train, val = t.load_token_streams(t.parse_args(["--data_dir", str(tmp_path)]))
     assert all(isinstance(a, np.memmap) for a in train.arrays + val.arrays)  # nothing loaded whole
     assert (train.num_tokens, val.num_tokens) == (100, 50)
-    data = loader(train, B=2, T=8, windows_per_step=4)
+    data = loader(train, B=2, T=8)
     # 12 windows of 8 + 1 fit in 100 tokens; they cross the shard boundaries at 30 and 60
     assert starts(data, 6) == list(range(0, 96, 8))
     x, _ = data.next_batch()
