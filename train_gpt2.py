@@ -968,16 +968,18 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
                                                              "process: use python, not torchrun"),
         (cfg.hellaswag_path and not os.path.isfile(cfg.hellaswag_path),
          f"--hellaswag_path {cfg.hellaswag_path} does not exist: give hellaswag_val.jsonl's path"),
-        (cfg.text_file and not cfg.data_dir and not os.path.isfile(cfg.text_file),
-         f"--text_file {cfg.text_file} does not exist: give a text file, or --data_dir with "
-         "fineweb.py's shards"),
     ]
     for mistake, message in mistakes:
         if mistake:
             raise ConfigError(message)
-    if cfg.data_dir and not (cfg.generate or cfg.export_hf):
+    if cfg.generate or cfg.export_hf:
+        return  # they read no data
+    if cfg.data_dir:
         for split in ("train", "val"):
             find_shards(cfg.data_dir, split)
+    elif cfg.text_file and not os.path.isfile(cfg.text_file):
+        raise ConfigError(f"--text_file {cfg.text_file} does not exist: give a text file, or "
+                          "--data_dir with fineweb.py's shards")
 
 
 def check_same_command(cfg: TrainConfig | None, problem: ConfigError | None, launch: Launch):
@@ -1379,7 +1381,8 @@ def restore_checkpoint(checkpoint, cfg, model, optimizer, scaler, loader, device
     saved, step, tokens = checkpoint["config"], checkpoint["step"], loader.stream.num_tokens
     if checkpoint.get("train_tokens", tokens) != tokens:
         log.say(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
-                f"{checkpoint['train_tokens']:,}: its data position points at other tokens now")
+                f"{checkpoint['train_tokens']:,}: its data position points at other tokens now; "
+                "resume with the checkpoint's data to go on exactly")
     schedule = ("max_lr", "min_lr_ratio", "warmup_steps", "max_steps")
     changed = [f"--{name} {saved[name]} -> {getattr(cfg, name)}" for name in schedule
                if saved[name] != getattr(cfg, name)]

@@ -175,7 +175,8 @@ def test_resuming_on_other_training_data_says_the_data_position_no_longer_matche
     run(["--resume", "auto", "--text_file", str(shorter)], tmp_path)
     train_tokens = len(t.read_text_tokens(str(shorter))) * 9 // 10
     assert (f"warning: the training data holds {train_tokens:,} tokens, the checkpoint's held 304,222: its data "
-            "position points at other tokens now") in capsys.readouterr().out.splitlines()
+            "position points at other tokens now; resume with the checkpoint's data to go on exactly") in \
+        capsys.readouterr().out.splitlines()
 
 
 def test_keep_ckpts_leaves_exactly_the_newest(tmp_path):

@@ -205,6 +205,12 @@ def test_generate_or_export_under_torchrun_names_only_that(mode):
     assert str(raised.value) == f"{mode[0]} runs in one process: use python, not torchrun"
 
 
+@pytest.mark.parametrize("mode", [["--generate"], ["--export_hf", "hf", "--init_from", "gpt2"]])
+def test_generate_and_export_read_no_data_so_a_missing_data_file_is_no_mistake(mode, tmp_path):
+    for data in (["--text_file", "/nowhere/input.txt"], ["--data_dir", str(tmp_path / "no_shards")]):
+        t.check_config(t.parse_args(mode + data), world_size=1)  # raises nothing
+
+
 def test_one_gpu_named_for_several_processes():
     import train_gpt2 as t
 
