@@ -350,12 +350,13 @@ def write_atomically(path: str, write) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
-    except OSError as error:
+    except OSError as error:  # np.save's short write has no errno: "N requested and M written"
         if os.path.exists(temporary):
             os.remove(temporary)  # a full disk gets its space back
-        fix = "make room" if error.errno == errno.ENOSPC else "fix that"
-        raise ConfigError(f"cannot write {path} ({error.strerror}): {fix}, then rerun with "
-                          "--resume") from None
+        full = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, None)
+        fix = f"make room in {os.path.dirname(path) or '.'}" if full else "fix that"
+        raise ConfigError(f"cannot write {path} ({error.strerror or error}): {fix}, then rerun "
+                          "with --resume") from None
 
 
 @dataclass(frozen=True)  # frozen: write_shards' default start is shared by every call

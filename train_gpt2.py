@@ -16,8 +16,8 @@ import hashlib
 import json
 import math
 import os
-import random
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -65,29 +65,32 @@ class DownloadError(ConfigError):
 # ------------------------------------------------------------ config
 
 
-def flag(default, help: str, choices=None):
-    return field(default=default, metadata={"help": help, "choices": choices})
+def flag(default, help: str, choices=None, section: str | None = None):
+    """A TrainConfig field; section: the --help heading that starts at this flag."""
+    return field(default=default, metadata={"help": help, "choices": choices, "section": section})
 
 
 @dataclass
 class TrainConfig:
-    # model shape
-    model: str = flag("gpt2", "GPT-2 shape", choices=list(MODEL_SHAPES))
+    model: str = flag("gpt2", "GPT-2 shape", choices=list(MODEL_SHAPES), section="model")
     n_layer: int | None = flag(None, "transformer blocks (default: from --model)")
     n_head: int | None = flag(None, "attention heads (default: from --model)")
     n_embd: int | None = flag(None, "model width (default: from --model)")
     block_size: int = flag(1024, "longest context the model accepts (learned positions)")
     vocab_size: int = flag(50304, "embedding rows: 50257 tokens padded to a multiple of 128")
-    # data
-    data_dir: str = flag("", "folder of fineweb.py's .npy shards; empty: --text_file")
+    dropout: float = flag(0.0, "dropout where GPT-2 had it, training only (0.1-0.2 to fine-tune)")
+    data_dir: str = flag("", "folder of fineweb.py's .npy shards; empty: --text_file",
+                         section="data")
     text_file: str = flag("", "text to split 90/10 into train/val (default: tiny Shakespeare)")
     shuffle: bool | None = flag(None, "new seeded window order each epoch (default: on for shards)")
     # batch: 2**19 = 524,288 tokens a step, about GPT-3 small's 0.5M
-    total_batch_size: int = flag(2**19, "tokens per optimizer step, over all processes")
+    total_batch_size: int = flag(2**19, "tokens per optimizer step, over all processes",
+                                 section="batch")
     micro_batch_size: int = flag(64, "sequences per forward/backward pass per process")
     seq_len: int = flag(1024, "tokens per training sequence (at most --block_size)")
     # optimizer and schedule: GPT-3 small's, as in build-nanogpt
-    max_lr: float = flag(6e-4, "peak learning rate, reached at the end of warmup")
+    max_lr: float = flag(6e-4, "peak learning rate, reached at the end of warmup",
+                         section="optimizer and schedule")
     min_lr_ratio: float = flag(0.1, "final learning rate as a fraction of --max_lr")
     warmup_steps: int = flag(715, "linear warmup steps (375M tokens at 2**19 a step)")
     max_steps: int = flag(19073, "optimizer steps: 19073 x 2**19 tokens is 10B tokens")
@@ -96,8 +99,8 @@ class TrainConfig:
     beta2: float = flag(0.95, "AdamW beta2")
     eps: float = flag(1e-8, "AdamW epsilon")
     grad_clip: float = flag(1.0, "clip the global gradient norm to this; 0: off")
-    # runtime
-    device: str = flag("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps")
+    device: str = flag("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps",
+                       section="runtime")
     dtype: str = flag("auto", "autocast dtype (auto: bfloat16 on CUDA, else float32)",
                       choices=["auto", "float32", "bfloat16", "float16"])
     compile: bool | None = flag(None, "torch.compile the model (default: on for CUDA)")
@@ -109,14 +112,14 @@ class TrainConfig:
     seed: int = flag(1337, "seed for initialisation, shuffling and sampling")
     peak_tflops: float = flag(989.0, "one device's peak TFLOP/s, for MFU (989: H100 SXM bf16)")
     profile_steps: int = flag(0, "profile N steps with torch.profiler after 4 warm-up steps")
-    # where the weights come from, and what to do with them
-    init_from: str = flag("", "start from gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint")
+    init_from: str = flag("", "start from gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint",
+                          section="weights and run modes")
     eval_only: bool = flag(False, "print the val loss and HellaSwag accuracy, then exit")
     generate: bool = flag(False, "print --num_samples continuations of --prompt, then exit")
     kv_cache: bool = flag(True, "generate with a key/value cache (same tokens, faster)")
     export_hf: str = flag("", "write --init_from's weights here as a transformers model, then exit")
-    # evaluation and logging
-    eval_every: int = flag(250, "validation loss every N steps and at the end; 0: never")
+    eval_every: int = flag(250, "validation loss every N steps and at the end; 0: never",
+                           section="evaluation and logging")
     eval_steps: int = flag(20, "validation steps of --total_batch_size tokens per evaluation")
     sample_every: int = flag(250, "print samples every N steps and at the end; 0: never")
     num_samples: int = flag(4, "continuations of --prompt per sampling")
@@ -127,8 +130,8 @@ class TrainConfig:
     hellaswag_every: int = flag(0, "HellaSwag accuracy every N steps and at the end; 0: never")
     hellaswag_path: str = flag("", "hellaswag_val.jsonl (default: downloaded once)")
     log_dir: str = flag("log", "folder for metrics.jsonl, loss.png and checkpoints")
-    # checkpoints
-    ckpt_every: int = flag(1000, "checkpoint every N steps and at the end; 0: never")
+    ckpt_every: int = flag(1000, "checkpoint every N steps and at the end; 0: never",
+                           section="checkpoints")
     keep_ckpts: int = flag(2, "keep the N newest checkpoints; 0: all")
     stop_after_steps: int = flag(0, "end this run with a checkpoint after N steps; 0: never")
     resume: str = flag("", "a checkpoint to continue from, or auto: the newest in --log_dir")
@@ -142,18 +145,23 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 def parse_args(argv: list[str]) -> TrainConfig:
     """Every TrainConfig field as a --flag. An --init_from checkpoint gives the batch shape and
     evaluation length it was trained with, unless flags give them."""
-    parser = _OneLineErrorParser(description="Pretrain GPT-2 (defaults: the 124M recipe on GPUs).")
+    parser = _OneLineErrorParser(
+        description="Pretrain GPT-2 (defaults: the 124M recipe on GPUs).", usage="%(prog)s [flags]",
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=50, width=200))
     for f in dataclasses.fields(TrainConfig):
+        if f.metadata["section"]:
+            group = parser.add_argument_group(f.metadata["section"])
         help_text = f.metadata["help"]
         if "(default" not in help_text:
             help_text += f" (default: {f.default})"
         if f.type in (bool, bool | None):
-            parser.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
+            group.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=help_text)
         else:  # int | None parses as int
             value_type = [t for t in typing.get_args(f.type) if t is not type(None)] or [f.type]
-            parser.add_argument(f"--{f.name}", type=value_type[0], default=argparse.SUPPRESS,
-                                help=help_text, choices=f.metadata["choices"])
+            group.add_argument(f"--{f.name}", type=value_type[0], default=argparse.SUPPRESS,
+                               help=help_text, choices=f.metadata["choices"],
+                               metavar=None if f.metadata["choices"] else value_type[0].__name__)
     given = vars(parser.parse_args(argv))  # only the flags on the command line
     cfg = TrainConfig(**given)
     if os.path.isfile(cfg.init_from):
@@ -179,6 +187,7 @@ class GPTConfig:
     n_embd: int
     block_size: int = 1024
     vocab_size: int = 50304
+    dropout: float = 0.0
 
 
 class KVCache:
@@ -195,9 +204,10 @@ class KVCache:
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.n_head = config.n_head
+        self.n_head, self.dropout = config.n_head, config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key, value in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, cache: KVCache | None = None, layer: int = 0):
         B, T, C = x.shape
@@ -212,9 +222,10 @@ class CausalSelfAttention(nn.Module):
                 k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
             cache.layers[layer] = (k, v)
         # T new queries over all keys: causal among themselves; a single new token sees every key
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1,
+                                           dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
-        return self.c_proj(y)
+        return self.resid_dropout(self.c_proj(y))
 
 
 class MLP(nn.Module):
@@ -223,9 +234,10 @@ class MLP(nn.Module):
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2 used the tanh approximation
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
 class Block(nn.Module):
@@ -252,6 +264,7 @@ class GPT(nn.Module):
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
             h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
             ln_f=nn.LayerNorm(config.n_embd),
         ))
@@ -281,7 +294,7 @@ class GPT(nn.Module):
             raise ValueError(f"sequence of {start + T} tokens is longer than block_size "
                              f"{self.config.block_size}")
         positions = torch.arange(start, start + T, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(positions)  # (B, T, n_embd)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
         for layer, block in enumerate(self.transformer.h):
             if self.recompute_blocks and cache is None and torch.is_grad_enabled():
                 # saves x alone for backward, and runs the block again there
@@ -672,6 +685,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)  # float16 only
     sharded = cfg.shard_optimizer and W > 1
     optimizer = configure_optimizer(raw_model, cfg, fused=device_type == "cuda", sharded=sharded)
+    torch.manual_seed(cfg.seed + launch.rank)  # dropout: each rank its own masks
     start_step = restore_checkpoint(run.checkpoint, cfg, raw_model, optimizer, scaler,
                                     train_loader, device, log)
     accum_steps = grad_accum_steps(cfg, W)
@@ -733,8 +747,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
         if launch.rank == 0 and due(cfg.sample_every, steps_done, last_step):
             print_samples(raw_model, run.tokenizer, cfg, device, autocast)
 
-        stop = signalled_on_any_rank(stop_signal.requested, [train_loader, val_loader], launch,
-                                     device)
+        stop = signalled_on_any_rank(stop_signal.requested, [train_loader, val_loader, log],
+                                     launch, device)
         pause = not last_step and steps_done - start_step == cfg.stop_after_steps > 0
         if stop or pause or due(cfg.ckpt_every, steps_done, last_step):
             write_checkpoint(cfg, launch, device, raw_model, optimizer, scaler, train_loader,
@@ -756,6 +770,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
     else:
         summary = step_summary(step_ms, cfg.total_batch_size, flops_per_step, cfg, device_type, W)
         log.write({"summary": summary}, summary_line(summary, cfg.peak_tflops))
+    signalled_on_any_rank(False, [log], launch, device)  # stops every rank if it was not written
     return TrainResult(raw_model, log.records)
 
 
@@ -948,6 +963,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
          f"between 0 and --max_steps {cfg.max_steps}: lower --warmup_steps"),
         (cfg.max_lr <= 0, f"--max_lr {cfg.max_lr} is not above 0"),
         (not 0 <= cfg.min_lr_ratio <= 1, f"--min_lr_ratio {cfg.min_lr_ratio} is not in [0, 1]"),
+        (not 0 <= cfg.dropout < 1, f"--dropout {cfg.dropout} is not in [0, 1)"),
         (not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1), f"--beta1 {cfg.beta1} and --beta2 "
                                                          f"{cfg.beta2} must be in [0, 1)"),
         (cfg.temperature <= 0, f"--temperature {cfg.temperature} is not above 0"),
@@ -964,6 +980,8 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         (len(modes) > 1, f"{' and '.join(modes)} are separate runs: pick one"),
         (cfg.export_hf and not cfg.init_from, "--export_hf needs --init_from with the weights to "
                                               "export"),
+        (cfg.export_hf and os.path.exists(cfg.export_hf), f"--export_hf {cfg.export_hf} already "
+                                                          "exists: give a new folder"),
         ((cfg.generate or cfg.export_hf) and world_size > 1, f"{' '.join(modes)} runs in one "
                                                              "process: use python, not torchrun"),
         (cfg.hellaswag_path and not os.path.isfile(cfg.hellaswag_path),
@@ -1001,13 +1019,34 @@ def check_same_command(cfg: TrainConfig | None, problem: ConfigError | None, lau
 # ------------------------------------------------------------ setting up a run
 
 
-def write_atomically(path: str, write) -> None:
-    """write(temporary), flush it to disk, rename: readers see the old file or the whole new one.
-    The temporary name is this process's own (several may fetch a file to shared storage)."""
+RESUME_AUTO = "run the same command with --resume auto"  # the fix after a failed write in a run
+
+
+@contextlib.contextmanager
+def failed_write_is_one_line(path: str, then: str):
+    """A write that fails (a full disk, a quota, a lost mount) as one ConfigError naming the folder.
+    torch.save writing to a file object raises a RuntimeError caused by the OSError."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        cause = error
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise ConfigError(f"cannot write {path} ({cause.strerror or cause}): make room in "
+                          f"{os.path.dirname(path) or '.'}, then {then}") from None
+
+
+def write_atomically(path: str, write, then: str = RESUME_AUTO) -> None:
+    """write(file) to a temporary file, flush it to disk, rename: readers see the old file or the
+    whole new one. The temporary name is this process's own (several may fetch a file to shared
+    storage). A failed write removes it and is one ConfigError that ends with `then`."""
     temporary = f"{path}.{os.uname().nodename}-{os.getpid()}.tmp"
     try:
-        write(temporary)
-        with open(temporary, "rb+") as f:
+        with failed_write_is_one_line(path, then), open(temporary, "wb") as f:
+            write(f)
+            f.flush()
             os.fsync(f.fileno())
     except BaseException:
         if os.path.exists(temporary):
@@ -1021,7 +1060,7 @@ def download(url: str, path: str, fix: str) -> None:
         with urllib.request.urlopen(url, timeout=30) as response:
             data = response.read()
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        write_atomically(path, lambda temporary: Path(temporary).write_bytes(data))
+        write_atomically(path, lambda f: f.write(data), then="run the same command again")
     except OSError as error:
         raise DownloadError(f"could not download {url} to {path} ({error}): {fix}") from None
 
@@ -1155,6 +1194,7 @@ def prepare_training(cfg: TrainConfig, launch: Launch, device: str, log) -> Prep
         if cfg.fp8:
             convert_to_float8(model)
         tokenizer = gpt2_tokenizer() if cfg.sample_every else None
+        log.begin(checkpoint and checkpoint["step"])
         run = PreparedRun(model, train_loader, val_loader, checkpoint, hellaswag, tokenizer)
         found = (train_loader.stream.num_tokens, val_loader and val_loader.stream.num_tokens,
                  checkpoint and checkpoint["step"])
@@ -1170,7 +1210,6 @@ def prepare_training(cfg: TrainConfig, launch: Launch, device: str, log) -> Prep
     if device.startswith("cpu") and count_parameters(run.model) > 10**8:
         log.say("hint: these are GPT-2 124M's GPU settings; on a CPU, start with the README's "
                 "quick start")
-    log.begin(run.checkpoint and run.checkpoint["step"])
     if launch.rank == 0:
         remove_killed_writes(cfg.log_dir)
     return run
@@ -1202,19 +1241,30 @@ def state_to_openai(state: dict, vocab_size: int) -> dict:
     return exported
 
 
-def load_openai_weights(name: str) -> dict:
-    """OpenAI's weights through transformers: from its cache, else from the Hugging Face hub."""
+def import_transformers(flag: str):
+    """The transformers module, quiet: its imports warn about optional packages, and its saving and
+    loading draw progress bars."""
     import logging
 
-    logging.disable(logging.WARNING)  # transformers' imports warn about optional packages
+    logging.disable(logging.WARNING)
     try:
-        from transformers import GPT2LMHeadModel
-        from huggingface_hub.constants import ENDPOINT
+        import transformers
+
+        transformers.GPT2LMHeadModel  # its lazy modules import on first use
+        transformers.utils.logging.disable_progress_bar()
+        return transformers
     except ImportError:
-        raise ConfigError(f"--init_from {name} needs the transformers library: pip install "
-                          "transformers") from None
+        raise ConfigError(f"{flag} needs the transformers library: pip install transformers") \
+            from None
     finally:
         logging.disable(logging.NOTSET)
+
+
+def load_openai_weights(name: str) -> dict:
+    """OpenAI's weights through transformers: from its cache, else from the Hugging Face hub."""
+    GPT2LMHeadModel = import_transformers(f"--init_from {name}").GPT2LMHeadModel
+    from huggingface_hub.constants import ENDPOINT
+
     try:
         return state_from_openai(GPT2LMHeadModel.from_pretrained(name, local_files_only=True)
                                  .state_dict())
@@ -1232,12 +1282,13 @@ def load_openai_weights(name: str) -> dict:
 def initial_weights(cfg: TrainConfig) -> tuple[GPTConfig, dict | None]:
     """The model's shape and the weights to start from (None: fresh ones of the flags' shape)."""
     if not cfg.init_from:
-        return GPTConfig(*model_shape(cfg), cfg.block_size, cfg.vocab_size), None
+        return GPTConfig(*model_shape(cfg), cfg.block_size, cfg.vocab_size, cfg.dropout), None
     if cfg.init_from in MODEL_SHAPES:  # as released: 1024 positions and the 50257 real tokens
-        return (GPTConfig(*MODEL_SHAPES[cfg.init_from], 1024, GPT2_VOCAB_SIZE),
+        return (GPTConfig(*MODEL_SHAPES[cfg.init_from], 1024, GPT2_VOCAB_SIZE, cfg.dropout),
                 load_openai_weights(cfg.init_from))
     checkpoint = load_checkpoint(cfg.init_from, "--init_from")
-    return GPTConfig(**checkpoint["model_config"]), checkpoint["model"]
+    saved = {**checkpoint["model_config"], "dropout": cfg.dropout}  # fine-tuning sets its own
+    return GPTConfig(**saved), checkpoint["model"]
 
 
 # ------------------------------------------------------------ checkpoints
@@ -1268,14 +1319,10 @@ def file_sha256(path: str) -> str:
 def save_checkpoint(path: str, state: dict, keep: int) -> None:
     """The checkpoint and its sha256 (torch.load misses a flipped byte in tensor data); then only
     the `keep` newest checkpoints stay."""
-    try:
-        write_atomically(path, lambda temporary: torch.save(state, temporary))
-        line = file_sha256(path) + "\n"
-        write_atomically(f"{path}.sha256", lambda temporary: Path(temporary).write_text(line))
-    except OSError as error:  # a full disk, a quota, a lost mount: the older checkpoints are whole
-        raise ConfigError(f"cannot write checkpoint {path} ({error.strerror or error}): make room "
-                          f"in {os.path.dirname(path) or '.'} and run the same command with "
-                          "--resume auto") from None
+    # to a file object: to a path, torch.save reports a full disk with no OSError to name it
+    write_atomically(path, lambda f: torch.save(state, f))
+    line = file_sha256(path) + "\n"
+    write_atomically(f"{path}.sha256", lambda f: f.write(line.encode()))
     directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     os.fsync(directory)  # make the renames themselves durable
     os.close(directory)
@@ -1321,9 +1368,10 @@ def load_checkpoint(path: str, flag: str = "--resume") -> dict:
 def checkpoint_config(path: str) -> dict:
     """The flags a checkpoint was trained with; empty if it cannot be read (loading it says why)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)["config"]
+        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:
         return {}
+    return saved.get("config", {}) if isinstance(saved, dict) else {}
 
 
 def find_resume_checkpoint(cfg: TrainConfig, say) -> dict | None:
@@ -1351,18 +1399,13 @@ def check_resumable(checkpoint: dict, cfg: TrainConfig, model_config: GPTConfig)
 
 
 def rng_states(device: str) -> dict:
-    """On CUDA this GPU's state only: a machine with fewer GPUs could not restore the others'."""
-    numpy_state = np.random.get_state()  # as plain types, which torch.load's safe mode reads
-    return {"python": random.getstate(),
-            "numpy": (numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]),
-            "torch_cpu": torch.get_rng_state(),
+    """torch's generators (dropout draws from them); the data order has its own seeded one. On CUDA
+    this GPU's state only: a machine with fewer GPUs could not restore the others'."""
+    return {"torch_cpu": torch.get_rng_state(),
             "torch_cuda": [torch.cuda.get_rng_state(device)] if device.startswith("cuda") else []}
 
 
 def restore_rng_states(states: dict, device: str) -> None:
-    random.setstate(states["python"])
-    name, keys, *rest = states["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(states["torch_cpu"])
     if states["torch_cuda"] and device.startswith("cuda"):
         torch.cuda.set_rng_state(states["torch_cuda"][0], device)
@@ -1377,7 +1420,10 @@ def restore_checkpoint(checkpoint, cfg, model, optimizer, scaler, loader, device
     if checkpoint["scaler"]:
         scaler.load_state_dict(checkpoint["scaler"])
     loader.windows_consumed = checkpoint["windows_consumed"]
-    restore_rng_states(checkpoint["rng"], device)
+    states = checkpoint["rng"]  # one per rank; older checkpoints: rank 0's alone
+    states = [states] if isinstance(states, dict) else states
+    if loader.rank < len(states):  # a rank new at a larger world size keeps its fresh seed
+        restore_rng_states(states[loader.rank], device)
     saved, step, tokens = checkpoint["config"], checkpoint["step"], loader.stream.num_tokens
     if checkpoint.get("train_tokens", tokens) != tokens:
         log.say(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
@@ -1399,13 +1445,14 @@ def write_checkpoint(cfg, launch, device, model, optimizer, scaler, loader, step
     """Rank 0 writes <log_dir>/ckpt_<steps_done>.pt; every rank stops if it could not."""
     if sharded:
         optimizer.consolidate_state_dict(to=0)  # every rank sends its share of AdamW's state
+    rng = gather(rng_states(device), launch)
     problem = None
     if launch.rank == 0:
         state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
                  "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
                  "step": steps_done, "config": dataclasses.asdict(cfg),
                  "windows_consumed": loader.windows_consumed,
-                 "train_tokens": loader.stream.num_tokens, "rng": rng_states(device)}
+                 "train_tokens": loader.stream.num_tokens, "rng": rng}
         try:
             save_checkpoint(os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt"), state,
                             cfg.keep_ckpts)
@@ -1430,7 +1477,8 @@ def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir) -> Non
 
 class StopSignal:
     """SIGTERM (preemption), SIGHUP (the terminal closed) or Ctrl-C: finish the step, checkpoint,
-    exit. A second Ctrl-C stops at once. A signal ignored at start (nohup) stays ignored."""
+    exit. A second Ctrl-C stops at once (interrupted_line says what is lost). A signal ignored at
+    start (nohup) stays ignored."""
 
     def __init__(self):
         self.requested, self.previous = False, {}
@@ -1451,10 +1499,21 @@ class StopSignal:
             signal.signal(signum, handler)
 
 
-def signalled_on_any_rank(signalled: bool, loaders: list, launch: Launch, device: str) -> bool:
+def interrupted_line(cfg: TrainConfig, training: bool) -> str:
+    if not training:  # the other run modes take Ctrl-C at once: they have nothing to save
+        return "stopped by Ctrl-C"
+    saved = checkpoint_paths(cfg.log_dir)
+    if not saved:
+        return "stopped at once by a second Ctrl-C: no checkpoint was written, its steps are lost"
+    return (f"stopped at once by a second Ctrl-C: the steps after {saved[0]} are lost; to go on "
+            f"from it, {RESUME_AUTO}")
+
+
+def signalled_on_any_rank(signalled: bool, sources: list, launch: Launch, device: str) -> bool:
     """Whether any rank got a stop signal (a scheduler may signal only some). Raises on every rank
-    if any read a token id beyond the vocabulary. One all-reduce carries both flags."""
-    problem = next((loader.problem for loader in loaders if loader and loader.problem), None)
+    if any had a problem: a loader read a token id beyond the vocabulary, or the log could not be
+    written. One all-reduce carries both flags."""
+    problem = next((source.problem for source in sources if source and source.problem), None)
     flags = [signalled, problem is not None]
     if launch.torchrun:
         values = torch.tensor(flags, dtype=torch.float32, device=device)
@@ -1487,11 +1546,12 @@ def record_step(line: str, default: int) -> int:
 
 class MetricsLog:
     """Rank 0 prints lines and appends JSON records to <log_dir>/metrics.jsonl (drawn in loss.png);
-    the other ranks are silent."""
+    the other ranks are silent. A failed write is kept as the problem that every rank stops on at
+    the end of the step (signalled_on_any_rank); nothing more is written."""
 
     def __init__(self, log_dir: str, active: bool):
         self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
-        self.records, self.plot_hint_given = [], False
+        self.records, self.plot_hint_given, self.problem = [], False, None
 
     def begin(self, resume_step: int | None) -> None:
         """A new run starts an empty file; a resumed one keeps the records before resume_step."""
@@ -1501,7 +1561,7 @@ class MetricsLog:
         if resume_step is not None and os.path.exists(self.path):
             with open(self.path) as f:
                 kept = [line for line in f if record_step(line, resume_step) < resume_step]
-        write_atomically(self.path, lambda temporary: Path(temporary).write_text("".join(kept)))
+        write_atomically(self.path, lambda f: f.write("".join(kept).encode()))
 
     def say(self, line: str) -> None:
         if self.active:
@@ -1511,8 +1571,14 @@ class MetricsLog:
         if self.active:
             self.say(line)
             self.records.append(record)
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        if self.active and not self.problem:
+            size = os.path.getsize(self.path)
+            try:
+                with failed_write_is_one_line(self.path, RESUME_AUTO), open(self.path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            except ConfigError as error:
+                os.truncate(self.path, size)  # no half record left
+                self.problem = str(error)
 
     def train_step(self, step, cfg, loss, lr, grad_norm, elapsed_ms, mfu) -> None:
         tokens_per_s = cfg.total_batch_size * 1000 / elapsed_ms
@@ -1527,7 +1593,14 @@ class MetricsLog:
 
     def plot(self) -> None:
         png_path = os.path.join(os.path.dirname(self.path), "loss.png")
-        if self.active and not plot_metrics(self.path, png_path) and not self.plot_hint_given:
+        if not self.active or self.problem:
+            return
+        try:
+            plotted = plot_metrics(self.path, png_path)
+        except ConfigError as error:
+            self.problem = str(error)
+            return
+        if not plotted and not self.plot_hint_given:
             self.say(f"{png_path} not written: matplotlib is not installed (pip install "
                      "matplotlib)")
             self.plot_hint_given = True
@@ -1558,8 +1631,10 @@ def plot_metrics(metrics_path: str, png_path: str) -> bool:
         accuracy_axis.plot(*series("hellaswag_acc_norm"), "s-", color="tab:green",
                            label="HellaSwag acc_norm")
         accuracy_axis.legend(loc="upper right")
-    write_atomically(png_path, lambda temporary: figure.savefig(temporary, format="png", dpi=100))
-    plt.close(figure)
+    try:
+        write_atomically(png_path, lambda f: figure.savefig(f, format="png", dpi=100))
+    finally:
+        plt.close(figure)
     return True
 
 
@@ -1672,24 +1747,66 @@ def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
 
 
 def export_hf(cfg: TrainConfig) -> str:
+    """--init_from's weights as a transformers GPT-2 folder, with tiktoken's GPT-2 tokenizer
+    converted by transformers, renamed into place once its logits are checked to be ours."""
+    transformers = import_transformers("--export_hf")
     try:
-        from transformers import GPT2Config, GPT2LMHeadModel
+        import blobfile  # noqa: F401 (transformers' tiktoken converter writes through it)
     except ImportError:
-        raise ConfigError("--export_hf needs the transformers library: pip install transformers") \
-            from None
+        raise ConfigError("--export_hf needs blobfile to convert the tokenizer: pip install "
+                          "blobfile") from None
+    from transformers.integrations.tiktoken import convert_tiktoken_to_fast
+
     model_config, state = initial_weights(cfg)
     vocab_size = min(model_config.vocab_size, GPT2_VOCAB_SIZE)  # no tokenizer decodes the padding
-    # transformers' other defaults are ours (tanh GELU, LayerNorm eps 1e-5, tied embeddings);
-    # dropout off as in our model, so that fine-tuning there starts from the same function
-    hf_model = GPT2LMHeadModel(GPT2Config(
+    # transformers' other defaults are ours (tanh GELU, LayerNorm eps 1e-5, tied embeddings)
+    hf_model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=vocab_size, n_positions=model_config.block_size, n_embd=model_config.n_embd,
-        n_layer=model_config.n_layer, n_head=model_config.n_head, resid_pdrop=0.0, embd_pdrop=0.0,
-        attn_pdrop=0.0))
+        n_layer=model_config.n_layer, n_head=model_config.n_head, resid_pdrop=model_config.dropout,
+        embd_pdrop=model_config.dropout, attn_pdrop=model_config.dropout))
     hf_model.load_state_dict(state_to_openai(state, vocab_size))
-    hf_model.save_pretrained(cfg.export_hf)
-    print(f"wrote {cfg.init_from} to {cfg.export_hf}: load it with GPT2LMHeadModel.from_pretrained"
-          f"({cfg.export_hf!r}) and GPT-2's tokenizer", flush=True)
+    temporary = f"{os.path.normpath(cfg.export_hf)}.{os.uname().nodename}-{os.getpid()}.tmp"
+    try:
+        with failed_write_is_one_line(cfg.export_hf, "run the same command again"):
+            save_pretrained(hf_model, temporary)
+            convert_tiktoken_to_fast(gpt2_tokenizer(), temporary)
+        del hf_model
+        check_export(transformers.GPT2LMHeadModel.from_pretrained(temporary), model_config, state)
+    except BaseException:  # nothing is left at --export_hf
+        shutil.rmtree(temporary, ignore_errors=True)
+        raise
+    os.rename(temporary, cfg.export_hf)
+    print(f"wrote {cfg.init_from} to {cfg.export_hf}: load it with AutoTokenizer.from_pretrained"
+          f"({cfg.export_hf!r}) and GPT2LMHeadModel.from_pretrained({cfg.export_hf!r})", flush=True)
     return cfg.export_hf
+
+
+def save_pretrained(hf_model, folder: str) -> None:
+    from safetensors import SafetensorError
+
+    try:
+        hf_model.save_pretrained(folder)
+    except SafetensorError as error:  # a failed write there is no OSError
+        if "I/O error: " not in str(error):
+            raise
+        raise OSError(str(error).partition("I/O error: ")[2]) from None
+
+
+def check_export(exported, model_config: GPTConfig, state: dict) -> None:
+    """The exported model, as loaded from its folder, gives our logits to float32 rounding; a hacked
+    model (another activation, norm or block) would not, and transformers would run it wrong."""
+    ours = GPT(model_config)
+    ours.load_state_dict(state)
+    vocab_size = exported.config.vocab_size
+    tokens = torch.randint(0, vocab_size, (2, min(64, model_config.block_size)),
+                           generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ours.eval()(tokens)[..., :vocab_size]
+        difference = (exported.eval()(tokens).logits - expected).abs().max().item()
+    if difference > 1e-4 * max(1.0, expected.abs().max().item()):
+        raise ConfigError(f"the exported model's logits differ from ours by up to "
+                          f"{difference:.3g}: the model no longer matches GPT-2's architecture in "
+                          "transformers, so it cannot be exported as GPT-2")
 
 
 # ------------------------------------------------------------ main
@@ -1739,17 +1856,22 @@ def main(cfg: TrainConfig | None, launch: Launch | None = None,
     result = None
     try:
         check_same_command(cfg, problem, launch)
-        with StopSignal() as stop_signal:
-            if cfg.export_hf:
-                result = export_hf(cfg)
-            elif cfg.generate:
-                result = generate_samples(cfg, device)
-            elif cfg.eval_only:
-                result = evaluate_only(cfg, launch, device)
-            else:
+        if cfg.export_hf:
+            result = export_hf(cfg)
+        elif cfg.generate:
+            result = generate_samples(cfg, device)
+        elif cfg.eval_only:
+            result = evaluate_only(cfg, launch, device)
+        else:
+            with StopSignal() as stop_signal:
                 result = train(cfg, launch, device, stop_signal)
     except ConfigError as error:  # raised on every rank together
         exit_on_user_error(error, launch)
+    except KeyboardInterrupt:  # a second Ctrl-C while training, the first in the other modes
+        if launch.rank == 0:
+            training = cfg is not None and not (cfg.export_hf or cfg.generate or cfg.eval_only)
+            print(interrupted_line(cfg, training), file=sys.stderr, flush=True)
+        sys.exit(130)
     except torch.OutOfMemoryError:  # this rank alone says it; torchrun then ends the others
         print(f"error: {out_of_memory_message(cfg, device, launch.world_size)}", file=sys.stderr,
               flush=True)

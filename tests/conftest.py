@@ -1,6 +1,8 @@
 """Shared test setup: offline tokenizer files, the tiny Shakespeare text, a tiny model's flags."""
 
 import os
+import resource
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -38,14 +40,29 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "error::pytest.PytestUnraisableExceptionWarning")
 
 
-def run_python(args, env=None, timeout=300):
-    """Run `python ARGS` in the project root, as a user would from a shell."""
+def run_python(args, env=None, timeout=300, max_file_bytes=None):
+    """Run `python ARGS` in the project root, as a user would from a shell. With max_file_bytes, its writes past
+    that size in any file fail as the kernel fails them (files_limited_to)."""
     return subprocess.run([sys.executable] + list(args), cwd=ROOT, env={**os.environ, **(env or {})},
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          preexec_fn=max_file_bytes and files_limited_to(max_file_bytes))
 
 
-def run_script(args, env=None, timeout=300):
-    return run_python(["train_gpt2.py"] + list(args), env, timeout)
+def run_script(args, env=None, timeout=300, max_file_bytes=None):
+    return run_python(["train_gpt2.py"] + list(args), env, timeout, max_file_bytes)
+
+
+def files_limited_to(max_bytes):
+    """A subprocess's preexec_fn: a write past max_bytes in any file fails in the kernel with EFBIG, as one on a full
+    disk fails with ENOSPC, and needs no mount. SIGXFSZ, which would kill the process, is ignored; exec keeps both.
+    matplotlib's font cache is made here first: under the limit, matplotlib would print that it cannot save it."""
+    import matplotlib.font_manager  # noqa: F401
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, max_bytes))
+
+    return limit
 
 
 @pytest.fixture

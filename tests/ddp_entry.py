@@ -2,17 +2,15 @@
 
     ddp_entry.py train OUT FLAGS...            train, then rank 0 saves the final weights to OUT
     ddp_entry.py fail RANKS STEP FLAGS...      train, with ranks RANKS (1 or 1,2) raising at step STEP
-    ddp_entry.py oom RANKS STEP FLAGS...       the same, with the error CUDA raises when memory runs out
+    ddp_entry.py oom RANKS STEP FLAGS...       the same, with the error CUDA raises when memory runs out (a
+                                               CPU cannot make it: test_train.raise_out_of_memory)
     ddp_entry.py crash_once OUT RANK STEP FLAGS...  train as `train` does, with rank RANK raising at step STEP
                                                in torchrun's first attempt only (a restart then goes through)
-    ddp_entry.py bad_data RANK FLAGS...        train, with only rank RANK unable to read its data
-    ddp_entry.py short_data RANK FLAGS...      train, with rank RANK's copy of the training data 1,000 tokens short
+    ddp_entry.py own_folders FOLDER FLAGS...   train, rank N in FOLDER/rank<N>: relative paths in FLAGS name each
+                                               rank's own files, as on machines with their own disks
     ddp_entry.py nan_loss RANK STEP FLAGS...   train, with rank RANK's loss turning NaN at step STEP (one
                                                micro-step a step)
     ddp_entry.py grad_sync OUT                 one accumulated step both ways; rank 0 saves both gradients
-    ddp_entry.py disk_full NAME FLAGS...       train, with rank 0's disk full when it writes checkpoint NAME
-    ddp_entry.py no_checkpoint_on RANK FLAGS...  train, with rank RANK seeing no checkpoint in --log_dir, as
-                                               machines that share no storage would
 """
 
 import contextlib
@@ -57,28 +55,8 @@ def crash_once(out, rank, step, flags):
     train(out, flags)
 
 
-def bad_data(rank, flags):
-    plain_load = train_gpt2.load_token_streams
-
-    def load_that_fails_on_one_rank(cfg):
-        if os.environ["RANK"] == rank:
-            raise train_gpt2.ConfigError("cannot read shard /data/x_train_000001.npy (disk error)")
-        return plain_load(cfg)
-
-    train_gpt2.load_token_streams = load_that_fails_on_one_rank
-    train_gpt2.main(train_gpt2.parse_args(flags))
-
-
-def short_data(rank, flags):
-    plain_load = train_gpt2.load_token_streams
-
-    def load_short_on_one_rank(cfg):
-        train, val = plain_load(cfg)
-        if os.environ["RANK"] == rank:
-            train = train_gpt2.TokenStream([train.read(0, train.num_tokens - 1000).astype("uint16")])
-        return train, val
-
-    train_gpt2.load_token_streams = load_short_on_one_rank
+def own_folders(folder, flags):
+    os.chdir(Path(folder) / f"rank{os.environ['RANK']}")
     train_gpt2.main(train_gpt2.parse_args(flags))
 
 
@@ -95,21 +73,6 @@ def nan_loss(rank, step, flags):
         return loss
 
     train_gpt2.GPT.forward = forward_that_diverges_on_one_rank
-    train_gpt2.main(train_gpt2.parse_args(flags))
-
-
-def disk_full(checkpoint_name, flags):
-    if os.environ["RANK"] == "0":
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from test_checkpoint import save_to_a_disk_that_fills_at
-
-        torch.save = save_to_a_disk_that_fills_at(checkpoint_name)
-    train_gpt2.main(train_gpt2.parse_args(flags))
-
-
-def no_checkpoint_on(rank, flags):
-    if os.environ["RANK"] == rank:
-        train_gpt2.checkpoint_paths = lambda log_dir: []
     train_gpt2.main(train_gpt2.parse_args(flags))
 
 
@@ -146,15 +109,9 @@ if __name__ == "__main__":
         crash_once(args[0], args[1], int(args[2]), args[3:])
     elif command == "oom":
         fail(args[0], int(args[1]), args[2:], error=torch.OutOfMemoryError)
-    elif command == "short_data":
-        short_data(args[0], args[1:])
-    elif command == "bad_data":
-        bad_data(args[0], args[1:])
+    elif command == "own_folders":
+        own_folders(args[0], args[1:])
     elif command == "nan_loss":
         nan_loss(args[0], int(args[1]), args[2:])
-    elif command == "disk_full":
-        disk_full(args[0], args[1:])
-    elif command == "no_checkpoint_on":
-        no_checkpoint_on(args[0], args[1:])
     else:
         grad_sync(args[0])

@@ -1,4 +1,3 @@
-import errno
 import json
 import os
 import signal
@@ -33,60 +32,90 @@ def assert_same_weights(a: dict, b: dict):
         assert torch.equal(a[name], b[name]), name  # bitwise
 
 
-def test_resume_is_exact_in_one_process(one_thread, tmp_path):
-    straight = run([], tmp_path / "straight")
-    first_half = run(["--stop_after_steps", "4"], tmp_path / "resumed")
+@pytest.mark.parametrize("dropout", [[], ["--dropout", "0.1"]])  # with dropout, the torch RNG state matters too
+def test_resume_is_exact_in_one_process(one_thread, tmp_path, dropout):
+    straight = run(dropout, tmp_path / "straight")
+    first_half = run(dropout + ["--stop_after_steps", "4"], tmp_path / "resumed")
     assert [r["step"] for r in first_half.records if "train_loss" in r] == [0, 1, 2, 3]
     with open(tmp_path / "resumed" / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "train_loss": 10.7')  # the tail of a process killed while writing a record
-    resumed = run(["--resume", "auto"], tmp_path / "resumed")
+    resumed = run(dropout + ["--resume", "auto"], tmp_path / "resumed")
     assert [r["step"] for r in resumed.records if "train_loss" in r] == [4, 5, 6, 7]
     assert logged(tmp_path / "resumed") == logged(tmp_path / "straight")  # all 8 steps, no duplicates
     assert logged(tmp_path / "resumed", "val_loss") == logged(tmp_path / "straight", "val_loss")
     assert_same_weights(resumed.model.state_dict(), straight.model.state_dict())
 
 
-def save_to_a_disk_that_fills_at(checkpoint_name, plain_save=torch.save):
-    """torch.save that writes part of checkpoint_name's file, then fails as a full disk does."""
-
-    def save(state, path):
-        if checkpoint_name not in str(path):
-            return plain_save(state, path)
-        with open(path, "wb") as f:
-            f.write(b"PK\x03\x04 the first megabytes of a checkpoint")
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    return save
+def no_room(path):
+    """The line for a write that failed: here, past the subprocess's file size limit (conftest.files_limited_to)."""
+    return (f"error: cannot write {path} (File too large): make room in {path.parent}, then run the same command "
+            "with --resume auto")
 
 
-def test_a_full_disk_stops_with_one_line_and_the_run_resumes_exactly(one_thread, tmp_path, capsys, monkeypatch):
+def test_a_checkpoint_the_disk_cannot_take_stops_with_one_line_and_the_run_resumes_exactly(tmp_path):
     log_dir = tmp_path / "resumed"
-    monkeypatch.setattr(torch, "save", save_to_a_disk_that_fills_at("ckpt_6.pt"))
-    with pytest.raises(SystemExit) as stopped:
-        run(["--ckpt_every", "3", "--keep_ckpts", "0"], log_dir)
-    assert stopped.value.code == 2
-    assert capsys.readouterr().err == (f"error: cannot write checkpoint {log_dir}/ckpt_6.pt (No space left on device): "
-                                       f"make room in {log_dir} and run the same command with --resume auto\n")
-    # the partial file is gone, the older checkpoint is whole
+    args = EIGHT_STEPS + ["--ckpt_every", "3", "--keep_ckpts", "0", "--log_dir", str(log_dir)]
+    assert run_script(args + ["--stop_after_steps", "3"], env=ONE_THREAD).returncode == 0
+    # 1 MiB a file: the log and the plot fit, a checkpoint (6 MiB of weights, 13 of AdamW state) does not
+    failed = run_script(args + ["--resume", "auto"], env=ONE_THREAD, max_file_bytes=2**20)
+    assert one_line_error(failed) == no_room(log_dir / "ckpt_6.pt")
+    # no partial file: the older checkpoint is whole
     assert sorted(p.name for p in log_dir.iterdir()) == ["ckpt_3.pt", "ckpt_3.pt.sha256", "loss.png",
                                                         "metrics.jsonl"]
-    monkeypatch.undo()
-    resumed = run(["--ckpt_every", "3", "--keep_ckpts", "0", "--resume", "auto"], log_dir)
-    straight = run([], tmp_path / "straight")
+    assert t.load_checkpoint(str(log_dir / "ckpt_3.pt"))["step"] == 3
+    assert run_script(args + ["--resume", "auto"], env=ONE_THREAD).returncode == 0
+    straight = run_script(EIGHT_STEPS + ["--log_dir", str(tmp_path / "straight")], env=ONE_THREAD)
+    assert straight.returncode == 0, straight.stderr
     assert logged(log_dir) == logged(tmp_path / "straight")
-    assert_same_weights(resumed.model.state_dict(), straight.model.state_dict())
+    assert_same_weights(torch.load(log_dir / "ckpt_8.pt")["model"], torch.load(tmp_path / "straight" / "ckpt_8.pt")["model"])
 
 
-def test_a_full_disk_on_rank_0_stops_every_rank_with_one_line(tmp_path):
+@pytest.mark.parametrize("max_file_bytes, failing, flags", [
+    (20_000, "loss.png", []),  # drawn at the first evaluation, after step 3: some 40 kB
+    (1_000, "metrics.jsonl", ["--eval_every", "0"]),  # some 170 bytes a step
+])
+def test_a_log_file_the_disk_cannot_take_stops_with_one_line_leaving_whole_records(tmp_path, max_file_bytes,
+                                                                                    failing, flags):
+    result = run_script(EIGHT_STEPS + flags + ["--log_dir", str(tmp_path)], env=ONE_THREAD,
+                        max_file_bytes=max_file_bytes)
+    assert one_line_error(result) == no_room(tmp_path / failing)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no checkpoint, no temporary file
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if "train_loss" in r]
+    assert steps == list(range(len(steps))) and 4 <= len(steps) < 8  # whole records only, then it stopped
+
+
+def test_a_checkpoint_the_disk_cannot_take_under_torchrun_stops_every_rank_with_one_line(tmp_path):
     log_dir = tmp_path / "log"
-    result = torchrun(2, [ENTRY, "disk_full", "ckpt_4.pt"] + TINY_ARGS + ["--ckpt_every", "2", "--log_dir", str(log_dir)],
-                      timeout=120)
+    args = ["train_gpt2.py"] + TINY_ARGS + ["--ckpt_every", "2", "--log_dir", str(log_dir)]
+    assert torchrun(2, args + ["--stop_after_steps", "2"]).returncode == 0
+    result = torchrun(2, args + ["--resume", "auto"], timeout=120, max_file_bytes=2**20)
     # rank 1 waited for the checkpoint and stopped with rank 0: no lost-connection traceback from either
-    assert_every_rank_stopped_with_one_line(
-        result, f"error: cannot write checkpoint {log_dir}/ckpt_4.pt (No space left on device): make room in "
-                f"{log_dir} and run the same command with --resume auto")
+    assert_every_rank_stopped_with_one_line(result, no_room(log_dir / "ckpt_4.pt"))
     assert 'train_gpt2.py", line' not in result.stderr
     assert sorted(p.name for p in log_dir.glob("ckpt_*")) == ["ckpt_2.pt", "ckpt_2.pt.sha256"]
+
+
+def test_a_plot_the_disk_cannot_take_under_torchrun_stops_every_rank_with_one_line(tmp_path):
+    """Rank 0 alone writes the log: the others hear of its failed write at the end of the step."""
+    result = torchrun(2, ["train_gpt2.py"] + EIGHT_STEPS + ["--log_dir", str(tmp_path)], timeout=120,
+                      max_file_bytes=20_000)
+    assert_every_rank_stopped_with_one_line(result, no_room(tmp_path / "loss.png"))
+    assert 'train_gpt2.py", line' not in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_with_dropout_two_processes_draw_their_own_masks_and_resume_exactly(tmp_path):
+    """Each rank seeds its dropout generator with --seed + rank, and the checkpoint holds every rank's state."""
+    args = ["train_gpt2.py"] + EIGHT_STEPS + ["--dropout", "0.1"]
+    straight = torchrun(2, args + ["--log_dir", str(tmp_path / "straight")])
+    assert straight.returncode == 0, straight.stderr
+    assert torchrun(2, args + ["--log_dir", str(tmp_path / "log"), "--stop_after_steps", "3"]).returncode == 0
+    states = torch.load(tmp_path / "log" / "ckpt_3.pt")["rng"]
+    assert len(states) == 2 and not torch.equal(states[0]["torch_cpu"], states[1]["torch_cpu"])
+    resumed = torchrun(2, args + ["--log_dir", str(tmp_path / "log"), "--resume", "auto"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert logged(tmp_path / "log") == logged(tmp_path / "straight")
 
 
 def test_resume_is_exact_under_two_processes_after_torchrun_restarts_a_crashed_job(tmp_path):
@@ -141,12 +170,14 @@ def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):
     assert set(checkpoint) == {"model", "model_config", "optimizer", "scaler", "step", "config", "windows_consumed",
                                "train_tokens", "rng"}
     assert checkpoint["model_config"] == {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64,
-                                          "vocab_size": 50304}
+                                          "vocab_size": 50304, "dropout": 0.0}
     assert checkpoint["step"] == 3 and checkpoint["windows_consumed"] == 24
     assert checkpoint["train_tokens"] == 304_222  # tiny Shakespeare's first 90%
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in checkpoint["model"])
     assert checkpoint["config"]["n_embd"] == 32
-    assert set(checkpoint["rng"]) == {"python", "numpy", "torch_cpu", "torch_cuda"}
+    # one process's torch generators: the script draws from no other (dropout from these, the data order from its
+    # own seeded one)
+    assert [set(states) for states in checkpoint["rng"]] == [{"torch_cpu", "torch_cuda"}]
     assert (tmp_path / "ckpt_3.pt.sha256").read_text().strip() == t.file_sha256(str(tmp_path / "ckpt_3.pt"))
 
 
@@ -297,6 +328,27 @@ def test_a_signal_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path, sign
     assert t.load_checkpoint(str(tmp_path / f"ckpt_{stopped_after + 1}.pt"))["step"] == stopped_after + 1
 
 
+@pytest.mark.parametrize("ckpt_every", [2, 0])
+def test_a_second_ctrl_c_stops_at_once_with_one_line_saying_what_is_lost(tmp_path, ckpt_every):
+    """It ended in a KeyboardInterrupt traceback. Steps of 64 micro-steps (about a second): both Ctrl-Cs land in
+    step 3, after ckpt_2.pt and before the checkpoint the first one asks for at the end of the step."""
+    args = TINY_ARGS + ["--max_steps", "100000", "--total_batch_size", str(256 * 64), "--ckpt_every",
+                        str(ckpt_every), "--log_dir", str(tmp_path)]
+    process = start_training(["train_gpt2.py"] + args)
+    wait_for_line(process, "step     2/100000")
+    time.sleep(0.2)
+    process.send_signal(signal.SIGINT)
+    time.sleep(0.2)  # the first is handled before the second comes: two pending signals would be one
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert "stopped by a signal" not in out and process.returncode == 130
+    lost = (f"the steps after {tmp_path / 'ckpt_2.pt'} are lost; to go on from it, run the same command with "
+            "--resume auto" if ckpt_every else "no checkpoint was written, its steps are lost")
+    assert err == f"stopped at once by a second Ctrl-C: {lost}\n"
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == (["ckpt_2.pt", "ckpt_2.pt.sha256"] if ckpt_every
+                                                              else [])
+
+
 def test_under_nohup_a_closed_session_does_not_stop_the_run(tmp_path):
     args = TINY_ARGS + ["--max_steps", "100000", "--ckpt_every", "0", "--log_dir", str(tmp_path)]
     process = start_training(["train_gpt2.py"] + args, ignored_signal=signal.SIGHUP)
@@ -342,15 +394,18 @@ def not_a_checkpoint(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["dict", "tensor", "text", "random bytes"])
 @pytest.mark.parametrize("flags", [["--resume", "{path}"], ["--init_from", "{path}", "--generate"],
                                    ["--init_from", "{path}", "--export_hf", "{tmp}/hf"]])
-def test_a_file_that_is_not_our_checkpoint_is_one_line_naming_what_it_is(tmp_path, capsys, kind, flags):
+def test_a_file_that_is_not_our_checkpoint_is_one_line_naming_what_it_is(tmp_path, capsys, recwarn, kind, flags):
     """They were KeyError: 'config', KeyError: 'model_config' or TypeError tracebacks, or, for a file torch.save did
-    not write, mmap jargon and "resume from an older checkpoint"."""
+    not write, mmap jargon and "resume from an older checkpoint". A bare tensor also printed PyTorch's warning about
+    indexing it with "config" before the line."""
     path, what = not_a_checkpoint(tmp_path, kind)
     args = [arg.format(path=path, tmp=tmp_path) for arg in flags]
     with pytest.raises(SystemExit) as stopped:
         t.main(t.parse_args((EIGHT_STEPS if args[0] == "--resume" else ["--device", "cpu"]) + args))
     assert stopped.value.code == 2
     assert capsys.readouterr().err == f"error: {args[0]} {path} is {what}: give a ckpt_<step>.pt from a --log_dir\n"
+    # (@record's fault handler finds no fileno for pytest's captured stderr, and says so)
+    assert [str(w.message) for w in recwarn if "fault handler" not in str(w.message)] == []
 
 
 def test_a_write_killed_part_way_leaves_no_temporary_file_behind(tmp_path):

@@ -69,27 +69,29 @@ def test_too_little_data_for_a_step_or_an_evaluation(args, message, capsys, tmp_
     assert error_line_in_process(TINY_ARGS + args + ["--log_dir", str(tmp_path)], capsys) == message
 
 
-TOKENIZER_OFFLINE = ("error: cannot load the GPT-2 tokenizer (ConnectionError): tiktoken downloads its two files once; "
+TOKENIZER_OFFLINE = ("error: cannot load the GPT-2 tokenizer (ProxyError): tiktoken downloads its two files once; "
                      "connect to the network, or set TIKTOKEN_CACHE_DIR to a folder that holds them")
 
 
-def offline(name):
-    """What tiktoken.get_encoding raises with no network and nothing cached (requests' ConnectionError, an OSError;
-    it used to end the run with requests' traceback)."""
-    raise ConnectionError("HTTPSConnectionPool(host='openaipublic.blob.core.windows.net', port=443): Max retries "
-                          "exceeded with url: /gpt-2/encodings/main/vocab.bpe")
+def offline_tokenizer(tmp_path) -> dict:
+    """The environment of a process whose tiktoken has nothing cached and whose download is refused at once (a proxy
+    on the discard port): the real requests raises ProxyError, a ConnectionError and so an OSError, as offline."""
+    (tmp_path / "empty_cache").mkdir()
+    proxy = "http://127.0.0.1:9"
+    return {"TIKTOKEN_CACHE_DIR": str(tmp_path / "empty_cache"), "HTTPS_PROXY": proxy, "https_proxy": proxy,
+            "NO_PROXY": "", "no_proxy": ""}
 
 
 @pytest.mark.parametrize("source", ["text", "shards"])  # the text is tokenized first; shards need it for samples
-def test_a_tokenizer_that_cannot_be_downloaded_is_one_line(source, monkeypatch, capsys, tmp_path):
-    tiktoken = pytest.importorskip("tiktoken")
+def test_a_tokenizer_that_cannot_be_downloaded_is_one_line(source, tmp_path):
     data = []
     if source == "shards":
         for split in ("train", "val"):
             np.save(tmp_path / f"tiny_{split}_000000.npy", np.arange(1000, dtype=np.uint16))
         data = ["--data_dir", str(tmp_path), "--sample_every", "5"]
-    monkeypatch.setattr(tiktoken, "get_encoding", offline)
-    assert error_line_in_process(TINY_ARGS + data + ["--log_dir", str(tmp_path / "log")], capsys) == TOKENIZER_OFFLINE
+    result = run_script(TINY_ARGS + data + ["--log_dir", str(tmp_path / "log")], env=offline_tokenizer(tmp_path))
+    assert result.stdout == ""  # stopped before any work: the start-up line was never printed
+    assert one_line_error(result) == TOKENIZER_OFFLINE
 
 
 def error_line_in_process(args, capsys):
@@ -146,15 +148,23 @@ def test_importing_the_scripts_does_no_work_and_loads_only_what_every_run_needs(
     assert (result.returncode, result.stdout, result.stderr) == (0, "False []\n", "")
 
 
-def test_help_explains_every_flag():
+def test_help_explains_every_flag_in_one_line_under_its_section():
+    """It was 157 lines in one flat list."""
     result = run_script(["--help"])
     assert result.returncode == 0
-    import train_gpt2 as t
-    import dataclasses
-
-    for field in dataclasses.fields(t.TrainConfig):
-        assert f"--{field.name}" in result.stdout
-    assert "for MFU (989: H100 SXM bf16)" in " ".join(result.stdout.split())
+    sections = ["model", "data", "batch", "optimizer and schedule", "runtime", "weights and run modes",
+                "evaluation and logging", "checkpoints"]
+    found, flags = [], []
+    for line in result.stdout.splitlines():
+        if line.rstrip(":") in sections:
+            found.append(line.rstrip(":"))
+        elif line.startswith("  --"):
+            flags.append((found[-1], line.split()[0].rstrip(",")))
+            assert "(default" in line, line  # the help is on the flag's own line
+    assert found == sections
+    assert [name for _, name in flags] == [f"--{field.name}" for field in dataclasses.fields(t.TrainConfig)]
+    assert ("batch", "--micro_batch_size") in flags and ("model", "--dropout") in flags
+    assert "for MFU (989: H100 SXM bf16)" in result.stdout
 
 
 @pytest.mark.parametrize(

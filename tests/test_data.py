@@ -243,10 +243,9 @@ def test_download_writes_the_whole_file_and_nothing_else(tmp_path):
 def write_in_step(path, content, both_open):
     """In a process of its own: write_atomically with a writer that waits until the other process has opened
     its temporary file too, as two machines' first ranks downloading to shared storage at once can."""
-    def write(temporary):
-        with open(temporary, "w") as f:
-            both_open.wait(timeout=30)
-            f.write(content)
+    def write(f):
+        both_open.wait(timeout=30)
+        f.write(content.encode())
 
     t.write_atomically(path, write)
 

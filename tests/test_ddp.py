@@ -7,11 +7,12 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
 import train_gpt2
-from conftest import ROOT, TINY_ARGS, run_python
+from conftest import ROOT, SHAKESPEARE, TINY_ARGS, run_python
 
 ENTRY = "tests/ddp_entry.py"
 # Thread count changes float results; torchrun sets 1 thread for several processes, so pin it everywhere.
@@ -25,16 +26,16 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 ABORT_AT_EXIT = "terminate called without an active exception\n"
 
 
-def torchrun(nproc, args, timeout=240, env=None):
+def torchrun(nproc, args, timeout=240, env=None, max_file_bytes=None):
     """Run torchrun; a launch that a rank's abort at exit made fail runs once more (a finished run resumes to nothing
     left to do, a stopped one stops again). Not one that told a user mistake: it may not be the same twice (a full
     disk leaves a checkpoint that a fresh run then refuses), and its ranks did stop with the line."""
     command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + args
     env = {**ONE_THREAD, **(env or {})}
-    result = run_python(command, env=env, timeout=timeout)
+    result = run_python(command, env=env, timeout=timeout, max_file_bytes=max_file_bytes)
     told_a_mistake = any(line.startswith("error: ") for line in result.stderr.splitlines())
     if result.returncode != 0 and ABORT_AT_EXIT in result.stderr and not told_a_mistake:
-        result = run_python(command, env=env, timeout=timeout)
+        result = run_python(command, env=env, timeout=timeout, max_file_bytes=max_file_bytes)
     return result
 
 
@@ -141,11 +142,29 @@ def test_batch_not_divisible_by_world_size_stops_every_rank_with_one_line(tmp_pa
     assert 'train_gpt2.py", line' not in result.stderr  # no traceback from our code
 
 
+def own_folders(tmp_path, ranks=2) -> list:
+    """tmp_path/rank0, tmp_path/rank1: each rank's working folder under ddp_entry.py own_folders."""
+    folders = [tmp_path / f"rank{rank}" for rank in range(ranks)]
+    for folder in folders:
+        folder.mkdir()
+    return folders
+
+
 def test_a_data_error_only_one_rank_sees_is_told_once_and_stops_every_rank(tmp_path):
-    result = torchrun(2, [ENTRY, "bad_data", "1"] + TINY_ARGS + ["--log_dir", str(tmp_path / "log")])
+    """Rank 1's copy of a shard is cut short, as by a copy that failed on its machine."""
+    folders = own_folders(tmp_path)
+    for folder in folders:
+        (folder / "shards").mkdir()
+        for split in ("train", "val"):
+            np.save(folder / "shards" / f"x_{split}_000001.npy", np.arange(2000, dtype=np.uint16))
+    cut = folders[1] / "shards" / "x_train_000001.npy"
+    cut.write_bytes(cut.read_bytes()[:1000])
+    flags = TINY_ARGS[: TINY_ARGS.index("--text_file")] + ["--data_dir", "shards", "--log_dir", str(tmp_path / "log")]
+    result = torchrun(2, [ENTRY, "own_folders", str(tmp_path)] + flags)
     # rank 1 alone failed, yet rank 0 prints its message, once, and both ranks exit with status 2
     assert_every_rank_stopped_with_one_line(
-        result, "error: cannot read shard /data/x_train_000001.npy (disk error) (on rank 1)")
+        result, "error: cannot read shard shards/x_train_000001.npy: it is not a .npy file (empty, cut short or "
+                "another format): delete it and rerun fineweb.py (on rank 1)")
     assert "exitcode  : 2" in result.stderr and "step " not in result.stdout
 
 
@@ -164,20 +183,29 @@ def test_a_token_beyond_the_vocabulary_on_one_rank_stops_every_rank_with_one_lin
 
 
 def test_ranks_that_read_different_data_are_refused_with_one_line(tmp_path):
-    result = torchrun(2, [ENTRY, "short_data", "1"] + TINY_ARGS + ["--eval_every", "5", "--log_dir", str(tmp_path)])
+    """Each machine has its own input.txt; rank 1's lacks the last lines."""
+    text, folders = SHAKESPEARE.read_text(), own_folders(tmp_path)
+    for folder, copy in zip(folders, [text, text[:-4000]]):
+        (folder / "input.txt").write_text(copy)
+    flags = TINY_ARGS[: TINY_ARGS.index("--text_file")] + ["--text_file", "input.txt", "--eval_every", "5"]
+    result = torchrun(2, [ENTRY, "own_folders", str(tmp_path)] + flags + ["--log_dir", str(tmp_path / "log")])
+    tokens = [len(train_gpt2.read_text_tokens(str(folder / "input.txt"))) for folder in folders]
+    found = [(n * 9 // 10, n - n * 9 // 10, None) for n in tokens]
+    assert found[0] != found[1]
     assert_every_rank_stopped_with_one_line(result, "error: the ranks found different data or checkpoints ((train "
-                                                    "tokens, val tokens, checkpoint step) on each: [(304222, 33803, "
-                                                    "None), (303222, 33803, None)]): give every machine the same "
-                                                    "shards and a shared --log_dir")
+                                                    f"tokens, val tokens, checkpoint step) on each: {found}): give "
+                                                    "every machine the same shards and a shared --log_dir")
     assert "step " not in result.stdout
 
 
 def test_ranks_that_find_different_checkpoints_are_refused_with_one_line(tmp_path):
     """--resume auto where each machine has its own --log_dir: only rank 0's holds a checkpoint."""
-    flags = TINY_ARGS + ["--max_steps", "4", "--log_dir", str(tmp_path / "log")]
-    first = run_python(["train_gpt2.py"] + flags + ["--stop_after_steps", "2"], env=ONE_THREAD)
+    folders = own_folders(tmp_path)
+    flags = TINY_ARGS + ["--max_steps", "4", "--log_dir", "log"]
+    first = run_python(["train_gpt2.py"] + flags[:-1] + [str(folders[0] / "log"), "--stop_after_steps", "2"],
+                       env=ONE_THREAD)
     assert first.returncode == 0, first.stderr
-    result = torchrun(2, [ENTRY, "no_checkpoint_on", "1"] + flags + ["--resume", "auto"])
+    result = torchrun(2, [ENTRY, "own_folders", str(tmp_path)] + flags + ["--resume", "auto"])
     assert_every_rank_stopped_with_one_line(result, "error: the ranks found different data or checkpoints ((train "
                                                     "tokens, val tokens, checkpoint step) on each: [(304222, None, 2), "
                                                     "(304222, None, None)]): give every machine the same shards and a "

@@ -3,13 +3,14 @@
 import contextlib
 import json
 import random
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import train_gpt2 as t
-from conftest import TINY_ARGS, run_python, run_script
+from conftest import SHAKESPEARE, TINY_ARGS, run_python, run_script
 from test_ddp import ONE_THREAD, torchrun
 
 TOKENIZER = t.gpt2_tokenizer()
@@ -238,10 +239,25 @@ def test_init_from_gpt2_offline_says_so_in_one_line(tmp_path):
     assert result.stderr.endswith("): connect to the network, or give a checkpoint\n")
 
 
-def test_export_hf_gives_transformers_the_same_model(one_thread, tmp_path):
+def test_export_hf_gives_transformers_the_same_model_and_tokenizer(one_thread, tmp_path):
     transformers = pytest.importorskip("transformers")
     trained = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "3", "--log_dir", str(tmp_path / "log")])).model
     t.main(t.parse_args(["--init_from", str(tmp_path / "log" / "ckpt_3.pt"), "--export_hf", str(tmp_path / "hf")]))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "log"]  # renamed into place
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    unicode = "naïve café 東京 данные مرحبا 😀 🏳️‍🌈 x² — \t\n\n \u2028 end"
+    for text in (SHAKESPEARE.read_text(), unicode):
+        assert tokenizer.encode(text) == TOKENIZER.encode_ordinary(text)
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.encode("<|endoftext|>")) == (
+        "<|endoftext|>", 50256, [50256])
+    generator = transformers.pipeline("text-generation", model=str(tmp_path / "hf"))
+    prompt = TOKENIZER.encode_ordinary("ROMEO:")
+    greedy = prompt + []
+    with torch.no_grad():
+        for _ in range(5):
+            greedy.append(int(trained.eval()(torch.tensor([greedy]))[0, -1, :50257].argmax()))
+    generated = generator("ROMEO:", max_new_tokens=5, do_sample=False)[0]["generated_text"]
+    assert generated == TOKENIZER.decode(greedy)
     hf_model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
     assert hf_model.config.vocab_size == 50257 and hf_model.config.n_positions == 64  # no padding rows
     assert hf_model.lm_head.weight.data_ptr() == hf_model.transformer.wte.weight.data_ptr()  # still tied
@@ -260,16 +276,44 @@ def test_export_hf_without_a_checkpoint_or_with_another_mode_is_refused(capsys, 
     assert one_line_exit(capsys, flags) == f"error: {message}"
 
 
-def test_export_hf_without_transformers_says_how_to_get_it(tmp_path):
+def test_an_export_the_disk_cannot_take_is_one_line_and_leaves_no_folder(tmp_path):
+    pytest.importorskip("transformers")
+    assert run_script(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path / "log")]).returncode == 0
+    # 1 MiB a file: config.json fits, model.safetensors (6 MiB of embeddings) does not
+    result = run_script(["--init_from", str(tmp_path / "log" / "ckpt_2.pt"), "--export_hf", str(tmp_path / "hf")],
+                        max_file_bytes=2**20)
+    assert result.returncode == 2 and result.stdout == "", result.stderr
+    assert result.stderr == (f"error: cannot write {tmp_path / 'hf'} (File too large (os error 27)): make room in "
+                             f"{tmp_path}, then run the same command again\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]  # no folder, whole or temporary
+
+
+def test_an_export_of_a_changed_architecture_is_refused_and_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    """With ReLU for GELU in MLP, the export wrote transformers' GELU model, whose logits were 0.13 from ours."""
+    pytest.importorskip("transformers")
+    t.main(t.parse_args(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path / "log")]))
+    monkeypatch.setattr(t.MLP, "forward", lambda self, x: self.dropout(self.c_proj(F.relu(self.c_fc(x)))))
+    line = one_line_exit(capsys, ["--init_from", str(tmp_path / "log" / "ckpt_2.pt"), "--export_hf",
+                                  str(tmp_path / "hf")])
+    assert re.fullmatch(r"error: the exported model's logits differ from ours by up to [0-9.e-]+: the model no "
+                        r"longer matches GPT-2's architecture in transformers, so it cannot be exported as GPT-2", line)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]
+
+
+@pytest.mark.parametrize("package, line", [
+    ("transformers", "--export_hf needs the transformers library: pip install transformers"),
+    ("blobfile", "--export_hf needs blobfile to convert the tokenizer: pip install blobfile"),
+])
+def test_export_hf_without_a_package_it_needs_says_how_to_get_it(tmp_path, package, line):
     trained = tmp_path / "log" / "ckpt_2.pt"
     assert run_script(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path / "log")]).returncode == 0
-    fake = tmp_path / "fake_modules" / "transformers"
+    fake = tmp_path / "fake_modules" / package
     fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("raise ImportError('transformers is not installed')\n")
+    (fake / "__init__.py").write_text(f"raise ImportError('{package} is not installed')\n")
     result = run_script(["--init_from", str(trained), "--export_hf", str(tmp_path / "hf")],
                         env={"PYTHONPATH": str(tmp_path / "fake_modules")})
     assert result.returncode == 2 and result.stdout == "" and not (tmp_path / "hf").exists()
-    assert result.stderr.strip() == "error: --export_hf needs the transformers library: pip install transformers"
+    assert result.stderr.strip() == f"error: {line}"
 
 
 def test_init_from_our_checkpoint_and_generate(one_thread, tmp_path):
@@ -318,6 +362,12 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer_and_data(one
     assert [r["step"] for r in records] == [0, 1]
     assert records[0]["train_loss"] == pytest.approx(expected, abs=1e-5)
     assert [r["lr"] for r in records] == [t.lr_at(0, cfg), t.lr_at(1, cfg)] and records[0]["lr"] == 3e-5
+    # --dropout is the flag's, not the source's (0 for both), and the checkpoint keeps it
+    tuned = t.main(t.parse_args(flags[:-1] + [str(tmp_path / "tune_dropout"), "--dropout", "0.2"]))
+    assert tuned.model.config.dropout == tuned.model.transformer.drop.p == 0.2
+    saved = torch.load(tmp_path / "tune_dropout" / "ckpt_2.pt")
+    assert saved["model_config"]["dropout"] == saved["config"]["dropout"] == 0.2
+    assert tuned.records[0]["train_loss"] != pytest.approx(expected, abs=1e-3)  # some activations were dropped
 
 
 def test_init_from_refuses_shape_flags(tmp_path):

@@ -1,8 +1,10 @@
+import contextlib
 import math
 import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import train_gpt2 as t
 
@@ -176,7 +178,8 @@ def test_fp8_is_refused_without_a_float8_gpu():
 
 
 def test_fp8_without_torchao_is_one_line(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # what a machine without torchao gives the import
+    # None in sys.modules makes the import raise ModuleNotFoundError, as on a machine without torchao
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
     with pytest.raises(t.ConfigError, match=r"^--fp8 needs torchao: pip install torchao$"):
         t.convert_to_float8(tiny_model(vocab_size=64))
 
@@ -196,3 +199,26 @@ def test_fp8_conversion_swaps_the_block_linears_and_still_trains():
     loss.backward()
     assert abs(loss.item() - reference(x, y).item()) < 0.05  # float8 rounding, same function
     assert model.transformer.h[0].mlp.c_fc.weight.grad.abs().sum() > 0
+
+
+def test_dropout_is_where_gpt2_had_it_and_only_in_training(monkeypatch):
+    """On the embeddings, the attention weights (SDPA's dropout_p) and the outputs of attention and MLP; in eval
+    mode (validation, HellaSwag, generation all use it) the model is the same function as without dropout."""
+    torch.manual_seed(0)
+    model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.5))
+    plain = tiny_model(vocab_size=64)
+    plain.load_state_dict(model.state_dict())  # dropout adds no parameters
+    assert [name for name, module in model.named_modules() if isinstance(module, torch.nn.Dropout)] == [
+        "transformer.drop"] + [f"transformer.h.{i}.{m}" for i in range(2) for m in ("attn.resid_dropout", "mlp.dropout")]
+    attention_dropout, sdpa = [], F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda *args, dropout_p, **kwargs: attention_dropout.append(dropout_p) or
+                        sdpa(*args, dropout_p=dropout_p, **kwargs))
+    idx = torch.randint(0, 64, (3, 16))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(idx), plain.eval()(idx))
+        assert not torch.allclose(model.train()(idx), plain.train()(idx))
+        assert torch.equal(plain(idx), plain.eval()(idx))  # at 0.0, training mode changes nothing
+    assert attention_dropout == [0.0] * 4 + [0.5] * 2 + [0.0] * 6  # 2 layers a call: only training uses it
+    tokens = [t.generate(m, [1, 2, 3], 2, 8, 1.0, 10, 0, "cpu", contextlib.nullcontext) for m in (model, plain)]
+    assert tokens[0] == tokens[1]

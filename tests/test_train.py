@@ -272,7 +272,10 @@ def test_the_host_waits_for_the_device_in_no_micro_step(tmp_path, monkeypatch):
 
 
 def raise_out_of_memory(*args, **kwargs):
-    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.28 GiB.")  # what CUDA and MPS raise
+    """What CUDA's caching allocator raises: c10::OutOfMemoryError, which PyTorch's Python bindings raise as
+    torch.OutOfMemoryError (torch.cuda.OutOfMemoryError is the same class). A CPU cannot make it: there an
+    allocation that fails is a plain RuntimeError ("DefaultCPUAllocator: can't allocate memory")."""
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 12.28 GiB.")
 
 
 @pytest.mark.parametrize("flags, fix", [
