@@ -281,7 +281,9 @@ def test_every_command_in_the_readme_passes_the_config_checks(tmp_path, monkeypa
     for name in ("edu_fineweb10B_val_000000.npy", "edu_fineweb10B_train_000001.npy"):
         np.save(tmp_path / "edu_fineweb10B" / name, np.zeros(10, dtype=np.uint16))
     (tmp_path / "log").mkdir()
-    (tmp_path / "log" / "ckpt_50.pt").write_bytes(b"")  # --init_from's file; the config check only needs it to exist
+    (tmp_path / "shakespeare").mkdir()
+    for checkpoint in ("log/ckpt_50.pt", "shakespeare/ckpt_20.pt"):  # --init_from's: the check needs them to exist
+        (tmp_path / checkpoint).write_bytes(b"")
     commands = readme_commands()
     assert len(commands) >= 9, commands
     assert (1, ["--data_dir", "edu_fineweb10B", "--max_steps", "30", "--warmup_steps", "10", "--eval_every", "0",
