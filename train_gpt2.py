@@ -1568,17 +1568,19 @@ class MetricsLog:
             print(line, flush=True)
 
     def write(self, record: dict, line: str) -> None:
-        if self.active:
-            self.say(line)
-            self.records.append(record)
-        if self.active and not self.problem:
-            size = os.path.getsize(self.path)
-            try:
-                with failed_write_is_one_line(self.path, RESUME_AUTO), open(self.path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
-            except ConfigError as error:
-                os.truncate(self.path, size)  # no half record left
-                self.problem = str(error)
+        if not self.active:
+            return
+        self.say(line)
+        self.records.append(record)
+        if self.problem:
+            return
+        size = os.path.getsize(self.path)
+        try:
+            with failed_write_is_one_line(self.path, RESUME_AUTO), open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except ConfigError as error:
+            os.truncate(self.path, size)  # no half record left
+            self.problem = str(error)
 
     def train_step(self, step, cfg, loss, lr, grad_norm, elapsed_ms, mfu) -> None:
         tokens_per_s = cfg.total_batch_size * 1000 / elapsed_ms

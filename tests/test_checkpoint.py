@@ -349,6 +349,19 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line_saying_what_is_lost(tmp_pat
                                                               else [])
 
 
+def test_ctrl_c_in_another_run_mode_stops_it_at_once_with_one_line(tmp_path):
+    """--generate has nothing to save: the first Ctrl-C ends it. 200,000 tokens of a tiny model take minutes; the
+    signal comes once the model is generating (the script's start, imports included, takes a few seconds)."""
+    process = start_training(["train_gpt2.py", "--generate", "--device", "cpu", "--n_layer", "2", "--n_head", "2",
+                              "--n_embd", "32", "--block_size", "64", "--seq_len", "64", "--num_samples", "1",
+                              "--max_new_tokens", "200000"])
+    time.sleep(15)
+    still_running = process.poll() is None
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert still_running and (process.returncode, out, err) == (130, "", "stopped by Ctrl-C\n"), err
+
+
 def test_under_nohup_a_closed_session_does_not_stop_the_run(tmp_path):
     args = TINY_ARGS + ["--max_steps", "100000", "--ckpt_every", "0", "--log_dir", str(tmp_path)]
     process = start_training(["train_gpt2.py"] + args, ignored_signal=signal.SIGHUP)

@@ -182,6 +182,7 @@ def test_help_explains_every_flag_in_one_line_under_its_section():
          "--sample_every -5, --hellaswag_every -1: must be 0 or more"),
         (["--max_lr", "-1"], "--max_lr -1.0 is not above 0"),
         (["--min_lr_ratio", "2"], "--min_lr_ratio 2.0 is not in [0, 1]"),
+        (["--dropout", "1"], "--dropout 1.0 is not in [0, 1)"),
         (["--beta1", "1.5"], "--beta1 1.5 and --beta2 0.95 must be in [0, 1)"),
         (["--weight_decay", "-0.1"], "--weight_decay -0.1: must be 0 or more"),
         (["--grad_clip", "-1"], "--grad_clip -1.0: must be 0 or more"),

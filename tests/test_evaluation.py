@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt2 as t
-from conftest import SHAKESPEARE, TINY_ARGS, run_python, run_script
+from conftest import ROOT, SHAKESPEARE, TINY_ARGS, run_python, run_script
 from test_ddp import ONE_THREAD, torchrun
 
 TOKENIZER = t.gpt2_tokenizer()
@@ -271,8 +271,11 @@ def test_export_hf_gives_transformers_the_same_model_and_tokenizer(one_thread, t
 @pytest.mark.parametrize("flags, message", [
     (["--export_hf", "hf"], "--export_hf needs --init_from with the weights to export"),
     (["--export_hf", "hf", "--init_from", "gpt2", "--generate"], "--generate and --export_hf are separate runs: pick one"),
+    (["--export_hf", "tests", "--init_from", "gpt2"], "--export_hf tests already exists: give a new folder"),
 ])
-def test_export_hf_without_a_checkpoint_or_with_another_mode_is_refused(capsys, flags, message):
+def test_export_hf_without_a_checkpoint_or_with_another_mode_or_over_a_folder_is_refused(capsys, monkeypatch, flags,
+                                                                                       message):
+    monkeypatch.chdir(ROOT)  # where the folder tests/ is
     assert one_line_exit(capsys, flags) == f"error: {message}"
 
 
