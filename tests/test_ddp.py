@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -27,14 +28,18 @@ ABORT_AT_EXIT = "terminate called without an active exception\n"
 
 
 def torchrun(nproc, args, timeout=240, env=None, max_file_bytes=None):
-    """Run torchrun; a launch that a rank's abort at exit made fail runs once more (a finished run resumes to nothing
-    left to do, a stopped one stops again). Not one that told a user mistake: it may not be the same twice (a full
-    disk leaves a checkpoint that a fresh run then refuses), and its ranks did stop with the line."""
+    """Run torchrun; a launch that a rank's abort at exit made fail runs once more: a resumed run goes on to the same
+    end, and a fresh one starts again in an emptied --log_dir (its aborted attempt's checkpoints would make the
+    script refuse the folder: seen once, in the sharded-optimizer resume test). Not a launch that told a user
+    mistake: it may not be the same twice (a full disk leaves a checkpoint), and its ranks did stop with the line."""
     command = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] + args
     env = {**ONE_THREAD, **(env or {})}
     result = run_python(command, env=env, timeout=timeout, max_file_bytes=max_file_bytes)
     told_a_mistake = any(line.startswith("error: ") for line in result.stderr.splitlines())
     if result.returncode != 0 and ABORT_AT_EXIT in result.stderr and not told_a_mistake:
+        log_dir = args[args.index("--log_dir") + 1] if "--log_dir" in args else ""
+        if "--resume" not in args and os.path.isabs(log_dir):  # the tests' own folders only
+            shutil.rmtree(log_dir, ignore_errors=True)
         result = run_python(command, env=env, timeout=timeout, max_file_bytes=max_file_bytes)
     return result
 
