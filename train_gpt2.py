@@ -89,12 +89,13 @@ class TrainConfig:
     micro_batch_size: int = flag(64, "sequences per forward/backward pass per process")
     seq_len: int = flag(1024, "tokens per training sequence (at most --block_size)")
     # optimizer and schedule: GPT-3 small's, as in build-nanogpt
-    max_lr: float = flag(6e-4, "peak learning rate, reached at the end of warmup",
-                         section="optimizer and schedule")
+    optimizer: str = flag("adamw", "adamw, or muon: Muon for the blocks' matrices, AdamW for the "
+                          "rest", choices=["adamw", "muon"], section="optimizer and schedule")
+    max_lr: float = flag(6e-4, "peak learning rate, reached at the end of warmup")
     min_lr_ratio: float = flag(0.1, "final learning rate as a fraction of --max_lr")
     warmup_steps: int = flag(715, "linear warmup steps (375M tokens at 2**19 a step)")
     max_steps: int = flag(19073, "optimizer steps: 19073 x 2**19 tokens is 10B tokens")
-    weight_decay: float = flag(0.1, "AdamW weight decay, on 2-D tensors only")
+    weight_decay: float = flag(0.1, "weight decay (AdamW's and Muon's), on 2-D tensors only")
     beta1: float = flag(0.9, "AdamW beta1")
     beta2: float = flag(0.95, "AdamW beta2")
     eps: float = flag(1e-8, "AdamW epsilon")
@@ -108,7 +109,7 @@ class TrainConfig:
     loss_chunk_size: int | None = flag(None, "loss over slices of N tokens; 0: full logits "
                                              "(default: 0 with compile, else 8192)")
     recompute: bool = flag(False, "recompute each block's activations in backward (less memory)")
-    shard_optimizer: bool = flag(False, "under torchrun, share AdamW's state out (ZeRO stage 1)")
+    shard_optimizer: bool = flag(False, "under torchrun, share the optimizer state out (ZeRO-1)")
     seed: int = flag(1337, "seed for initialisation, shuffling and sampling")
     peak_tflops: float = flag(989.0, "one device's peak TFLOP/s, for MFU (989: H100 SXM bf16)")
     profile_steps: int = flag(0, "profile N steps with torch.profiler after 4 warm-up steps")
@@ -628,19 +629,31 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def configure_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool,
-                        sharded: bool = False) -> torch.optim.Optimizer:
-    """AdamW with weight decay on 2-D tensors (matmuls, embeddings) only, not biases or LayerNorms.
+                        sharded: bool = False) -> list[torch.optim.Optimizer]:
+    """AdamW with weight decay on 2-D tensors (matmuls, embeddings) only, not biases or LayerNorms;
+    with --optimizer muon, Muon takes the blocks' matrices instead (the README says why).
     sharded: ZeRO stage 1; its consolidated state_dict is the plain one's."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+    to_muon = [p for name, p in named if cfg.optimizer == "muon" and p.dim() == 2
+               and name.startswith("transformer.h.")]
+    params = [p for _, p in named if all(p is not q for q in to_muon)]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    options = dict(lr=cfg.max_lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-    if sharded:  # not fused: a sharded fused AdamW cannot load a checkpoint (PyTorch #124133)
+    # not fused when sharded: a sharded fused AdamW cannot load a checkpoint (PyTorch #124133)
+    adamw = dict(lr=cfg.max_lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                 fused=fused and not sharded)
+    # Muon's update scaled to AdamW's RMS, so that --max_lr and --weight_decay carry over
+    muon = dict(lr=cfg.max_lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw")
+    chosen = [(torch.optim.AdamW, groups, adamw)]
+    if to_muon:
+        chosen.append((torch.optim.Muon, to_muon, muon))
+    if sharded:
         # imported here: it imports FSDP and DTensor, 1.8 s of every start on a 2-core machine
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **options)
-    return torch.optim.AdamW(groups, fused=fused, **options)
+        return [ZeroRedundancyOptimizer(params, optimizer_class=kind, **options)
+                for kind, params, options in chosen]
+    return [kind(params, **options) for kind, params, options in chosen]
 
 
 # ------------------------------------------------------------ training loop
@@ -684,9 +697,9 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
         model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
     scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)  # float16 only
     sharded = cfg.shard_optimizer and W > 1
-    optimizer = configure_optimizer(raw_model, cfg, fused=device_type == "cuda", sharded=sharded)
+    optimizers = configure_optimizer(raw_model, cfg, fused=device_type == "cuda", sharded=sharded)
     torch.manual_seed(cfg.seed + launch.rank)  # dropout: each rank its own masks
-    start_step = restore_checkpoint(run.checkpoint, cfg, raw_model, optimizer, scaler,
+    start_step = restore_checkpoint(run.checkpoint, cfg, raw_model, optimizers, scaler,
                                     train_loader, device, log)
     accum_steps = grad_accum_steps(cfg, W)
     flops_per_step = (flops_per_token(raw_model.config, count_parameters(raw_model), cfg.seq_len)
@@ -695,23 +708,25 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
             f"{'on' if compile_enabled(cfg, device) else 'off'}), {W} process(es); "
             f"{count_parameters(raw_model):,} parameters; {cfg.total_batch_size:,} tokens per step "
             f"= {accum_steps} micro-steps x {W} process(es) x {cfg.micro_batch_size} x "
-            f"{cfg.seq_len}; {'AdamW state sharded over the processes; ' if sharded else ''}"
+            f"{cfg.seq_len}; {'optimizer state sharded over the processes; ' if sharded else ''}"
             f"{train_loader.stream.num_tokens:,} train tokens")
     profiler = make_profiler(cfg, device_type, start_step, log) if cfg.profile_steps else None
     step_ms, epoch = [], train_loader.epoch
 
     for step in range(start_step, cfg.max_steps):
         started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
+        raw_model.zero_grad(set_to_none=True)
         loss = forward_backward(model, train_loader, accum_steps, device, autocast, scaler,
                                 sync_last_only=launch.torchrun)
         loss = all_reduce_mean(loss, launch)  # DDP averaged the gradients; this, the logged loss
-        scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
+        for optimizer in optimizers:  # AdamW, and Muon with --optimizer muon
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         grad_norm = nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
-        lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        scaler.step(optimizer)
+        lr = lr_at(step, cfg)  # one schedule drives every optimizer
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            scaler.step(optimizer)
         scaler.update()
         loss, grad_norm = loss.item(), grad_norm.item()  # the step's one wait for the device
         elapsed_ms = (time.perf_counter() - started) * 1000
@@ -751,7 +766,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
                                      launch, device)
         pause = not last_step and steps_done - start_step == cfg.stop_after_steps > 0
         if stop or pause or due(cfg.ckpt_every, steps_done, last_step):
-            write_checkpoint(cfg, launch, device, raw_model, optimizer, scaler, train_loader,
+            write_checkpoint(cfg, launch, device, raw_model, optimizers, scaler, train_loader,
                              steps_done, sharded)
         if stop or pause:
             reason = "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}"
@@ -964,6 +979,8 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         (cfg.max_lr <= 0, f"--max_lr {cfg.max_lr} is not above 0"),
         (not 0 <= cfg.min_lr_ratio <= 1, f"--min_lr_ratio {cfg.min_lr_ratio} is not in [0, 1]"),
         (not 0 <= cfg.dropout < 1, f"--dropout {cfg.dropout} is not in [0, 1)"),
+        (cfg.optimizer == "muon" and not hasattr(torch.optim, "Muon"), "--optimizer muon needs "
+         f"torch.optim.Muon, new in PyTorch 2.9; this is {torch.__version__}: upgrade torch"),
         (not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1), f"--beta1 {cfg.beta1} and --beta2 "
                                                          f"{cfg.beta2} must be in [0, 1)"),
         (cfg.temperature <= 0, f"--temperature {cfg.temperature} is not above 0"),
@@ -1396,6 +1413,12 @@ def check_resumable(checkpoint: dict, cfg: TrainConfig, model_config: GPTConfig)
     if differing:
         raise ConfigError(f"cannot resume from {checkpoint['path']}: {', '.join(differing)} (they "
                           "define its weights, schedule and data position): use its values")
+    trained_with = saved.get("optimizer", "adamw")  # older checkpoints: AdamW's
+    if trained_with != cfg.optimizer:
+        raise ConfigError(f"cannot resume from {checkpoint['path']} with --optimizer "
+                          f"{cfg.optimizer}: it holds {trained_with}'s state; resume with "
+                          f"--optimizer {trained_with}, or start a new run from its weights with "
+                          f"--init_from {checkpoint['path']}")
 
 
 def rng_states(device: str) -> dict:
@@ -1411,12 +1434,15 @@ def restore_rng_states(states: dict, device: str) -> None:
         torch.cuda.set_rng_state(states["torch_cuda"][0], device)
 
 
-def restore_checkpoint(checkpoint, cfg, model, optimizer, scaler, loader, device, log) -> int:
-    """Weights, AdamW state, scaler, data position and RNG; the step to go on from (0 if none)."""
+def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, device, log) -> int:
+    """Weights, optimizer states, scaler, data position and RNG; the step to go on from (0 if
+    none)."""
     if checkpoint is None:
         return 0
     model.load_state_dict(checkpoint["model"])
-    optimizer.load_state_dict(checkpoint["optimizer"])
+    states = checkpoint["optimizer"]  # one per optimizer; older checkpoints: AdamW's alone
+    for optimizer, state in zip(optimizers, [states] if isinstance(states, dict) else states):
+        optimizer.load_state_dict(state)
     if checkpoint["scaler"]:
         scaler.load_state_dict(checkpoint["scaler"])
     loader.windows_consumed = checkpoint["windows_consumed"]
@@ -1441,15 +1467,17 @@ def restore_checkpoint(checkpoint, cfg, model, optimizer, scaler, loader, device
     return step
 
 
-def write_checkpoint(cfg, launch, device, model, optimizer, scaler, loader, steps_done, sharded):
+def write_checkpoint(cfg, launch, device, model, optimizers, scaler, loader, steps_done, sharded):
     """Rank 0 writes <log_dir>/ckpt_<steps_done>.pt; every rank stops if it could not."""
     if sharded:
-        optimizer.consolidate_state_dict(to=0)  # every rank sends its share of AdamW's state
+        for optimizer in optimizers:
+            optimizer.consolidate_state_dict(to=0)  # every rank sends its share of the state
     rng = gather(rng_states(device), launch)
     problem = None
     if launch.rank == 0:
         state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
-                 "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict(),
+                 "optimizer": [optimizer.state_dict() for optimizer in optimizers],
+                 "scaler": scaler.state_dict(),
                  "step": steps_done, "config": dataclasses.asdict(cfg),
                  "windows_consumed": loader.windows_consumed,
                  "train_tokens": loader.stream.num_tokens, "rng": rng}

@@ -22,11 +22,11 @@ import train_gpt2  # noqa: E402
 
 def write_checkpoint(path: str) -> None:
     model = train_gpt2.GPT(train_gpt2.GPTConfig(n_layer=12, n_head=12, n_embd=768))
-    optimizer = train_gpt2.configure_optimizer(model, train_gpt2.parse_args([]), fused=False, sharded=False)
+    [optimizer] = train_gpt2.configure_optimizer(model, train_gpt2.parse_args([]), fused=False, sharded=False)
     tokens = torch.randint(0, 50257, (1, 16), generator=torch.Generator().manual_seed(0))
     model(tokens, tokens).backward()
     optimizer.step()  # creates AdamW's two moments for every weight
-    state = {"model": model.state_dict(), "model_config": vars(model.config), "optimizer": optimizer.state_dict(),
+    state = {"model": model.state_dict(), "model_config": vars(model.config), "optimizer": [optimizer.state_dict()],
              "scaler": {}, "step": 1, "config": {}, "windows_consumed": 0, "rng": {}}  # what a checkpoint holds
     train_gpt2.save_checkpoint(path, state, keep=0)
 
@@ -41,7 +41,7 @@ def read_back(path: str) -> None:
     before = resident_gib()
     checkpoint = train_gpt2.load_checkpoint(path)
     tensors = [*checkpoint["model"].values()] + [
-        value for state in checkpoint["optimizer"]["state"].values() for value in state.values()]
+        value for state in checkpoint["optimizer"][0]["state"].values() for value in state.values()]
     total = sum(float(tensor.sum()) for tensor in tensors)
     after = resident_gib()
     print(f"read {os.path.getsize(path) / 2**30:.2f} GiB ({len(tensors)} tensors, sum {total:.4g}): private memory "

@@ -46,6 +46,20 @@ def test_resume_is_exact_in_one_process(one_thread, tmp_path, dropout):
     assert_same_weights(resumed.model.state_dict(), straight.model.state_dict())
 
 
+def test_a_checkpoint_written_before_muon_resumes_exactly(one_thread, tmp_path):
+    """Until --optimizer, a checkpoint held AdamW's state alone, not a list, and its config had no optimizer."""
+    straight = run([], tmp_path / "straight")
+    run(["--stop_after_steps", "4"], tmp_path / "resumed")
+    path = tmp_path / "resumed" / "ckpt_4.pt"
+    checkpoint = torch.load(path)
+    [checkpoint["optimizer"]] = checkpoint["optimizer"]
+    del checkpoint["config"]["optimizer"]
+    t.save_checkpoint(str(path), checkpoint, keep=0)
+    resumed = run(["--resume", "auto"], tmp_path / "resumed")
+    assert logged(tmp_path / "resumed") == logged(tmp_path / "straight")
+    assert_same_weights(resumed.model.state_dict(), straight.model.state_dict())
+
+
 def no_room(path):
     """The line for a write that failed: here, past the subprocess's file size limit (conftest.files_limited_to)."""
     return (f"error: cannot write {path} (File too large): make room in {path.parent}, then run the same command "
@@ -153,15 +167,51 @@ def test_resume_at_another_world_size_and_with_the_optimizer_sharded_trains_on_t
     args = EIGHT_STEPS + ["--log_dir", str(log_dir)]
     sharded = torchrun(2, ["train_gpt2.py"] + args + ["--shard_optimizer", "--stop_after_steps", "3"])
     assert sharded.returncode == 0, sharded.stderr
-    assert "AdamW state sharded over the processes" in sharded.stdout
+    assert "optimizer state sharded over the processes" in sharded.stdout
     num_tensors = len(list(t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64)).parameters()))
-    assert len(torch.load(log_dir / "ckpt_3.pt")["optimizer"]["state"]) == num_tensors  # both shares
+    assert len(torch.load(log_dir / "ckpt_3.pt")["optimizer"][0]["state"]) == num_tensors  # both shares
     plain = run_script(args + ["--resume", "auto", "--stop_after_steps", "3"], env=ONE_THREAD)
     assert plain.returncode == 0, plain.stderr
     sharded_again = torchrun(2, ["train_gpt2.py"] + args + ["--shard_optimizer", "--resume", "auto"])
     assert sharded_again.returncode == 0, sharded_again.stderr
     assert logged(log_dir) == logged(tmp_path / "straight")
     assert torch.load(log_dir / "ckpt_8.pt")["windows_consumed"] == 8 * 8  # 8 steps of 256 tokens = 8 windows of 32
+
+
+def test_muon_in_two_processes_trains_like_one_and_resumes_exactly_at_another_count_plain_or_sharded(tmp_path):
+    """--optimizer muon: 2 plain processes stop after 3 steps, 1 process goes on for 3, 2 with the optimizers sharded
+    finish; every loss is the uninterrupted 1-process run's, bitwise (as for AdamW above: the ranks' averaged
+    gradient is one process's, and Muon steps each matrix alone), so both optimizers' states went through each
+    checkpoint whole; and one schedule set both optimizers' learning rates."""
+    muon = EIGHT_STEPS + ["--optimizer", "muon"]
+    straight = run_script(muon + ["--log_dir", str(tmp_path / "straight")], env=ONE_THREAD)
+    assert straight.returncode == 0, straight.stderr
+    log_dir = tmp_path / "log"
+    args = muon + ["--log_dir", str(log_dir)]
+    two = torchrun(2, ["train_gpt2.py"] + args + ["--stop_after_steps", "3"])
+    assert two.returncode == 0, two.stderr
+    adamw_state, muon_state = torch.load(log_dir / "ckpt_3.pt")["optimizer"]
+    # Muon: each block's 4 matrices; AdamW: both embeddings, each block's 4 biases and 2 LayerNorms, the final one
+    assert len(muon_state["state"]) == 2 * 4 and len(adamw_state["state"]) == 2 + 2 * (4 + 2 * 2) + 2
+    assert all(set(state) == {"momentum_buffer"} for state in muon_state["state"].values())
+    one = run_script(args + ["--resume", "auto", "--stop_after_steps", "3"], env=ONE_THREAD)
+    assert one.returncode == 0, one.stderr
+    sharded = torchrun(2, ["train_gpt2.py"] + args + ["--shard_optimizer", "--resume", "auto"])
+    assert sharded.returncode == 0, sharded.stderr
+    assert logged(log_dir) == logged(tmp_path / "straight") and len(logged(log_dir)) == 8
+    assert logged(log_dir, "val_loss") == logged(tmp_path / "straight", "val_loss")
+    final = torch.load(log_dir / "ckpt_8.pt")
+    assert_same_weights(final["model"], torch.load(tmp_path / "straight" / "ckpt_8.pt")["model"])
+    last_lr = t.lr_at(7, t.parse_args(muon))
+    assert [group["lr"] for state in final["optimizer"] for group in state["param_groups"]] == [last_lr] * 3
+
+
+def test_resuming_with_the_other_optimizer_is_refused_naming_the_flag(two_checkpoints):
+    newest = two_checkpoints / "ckpt_8.pt"
+    line = one_line_error(run_script(EIGHT_STEPS + ["--log_dir", str(two_checkpoints), "--resume", "auto",
+                                                    "--optimizer", "muon"]))
+    assert line == (f"error: cannot resume from {newest} with --optimizer muon: it holds adamw's state; resume with "
+                    f"--optimizer adamw, or start a new run from its weights with --init_from {newest}")
 
 
 def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):

@@ -199,6 +199,16 @@ def test_fp8_conversion_swaps_the_block_linears_and_still_trains():
     loss.backward()
     assert abs(loss.item() - reference(x, y).item()) < 0.05  # float8 rounding, same function
     assert model.transformer.h[0].mlp.c_fc.weight.grad.abs().sum() > 0
+    # --optimizer muon: the Float8Linear weights are plain matrices to Muon, updated as unconverted ones would be
+    _, muon = t.configure_optimizer(model, t.parse_args(["--optimizer", "muon"]), fused=False)
+    assert len(muon.param_groups[0]["params"]) == len(converted)
+    for module in converted:
+        reference.get_submodule(module).weight.grad = model.get_submodule(module).weight.grad
+    _, reference_muon = t.configure_optimizer(reference, t.parse_args(["--optimizer", "muon"]), fused=False)
+    muon.step()
+    reference_muon.step()
+    for module in converted:
+        assert torch.equal(model.get_submodule(module).weight, reference.get_submodule(module).weight), module
 
 
 def test_dropout_is_where_gpt2_had_it_and_only_in_training(monkeypatch):

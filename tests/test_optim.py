@@ -43,7 +43,7 @@ def test_lr_schedule_without_warmup_starts_at_peak():
 
 def test_weight_decay_applies_to_exactly_the_2d_tensors():
     model = tiny_model()
-    optimizer = t.configure_optimizer(model, t.parse_args([]), fused=False)
+    [optimizer] = t.configure_optimizer(model, t.parse_args([]), fused=False)
     decayed, not_decayed = optimizer.param_groups
     assert (decayed["weight_decay"], not_decayed["weight_decay"]) == (0.1, 0.0)
     names = {id(p): n for n, p in model.named_parameters()}  # the tied matrix is listed once, as wte
@@ -57,6 +57,29 @@ def test_weight_decay_applies_to_exactly_the_2d_tensors():
     } | {f"transformer.h.{i}.{ln}.{w}" for i in range(2) for ln in ("ln_1", "ln_2") for w in ("weight", "bias")}
     assert decayed_names.isdisjoint(not_decayed_names)
     assert len(decayed["params"]) + len(not_decayed["params"]) == len(list(model.parameters()))
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_keeps_the_embeddings_biases_and_layernorms():
+    model = tiny_model()
+    adamw, muon = t.configure_optimizer(model, t.parse_args(["--optimizer", "muon", "--max_lr", "0.02"]), fused=False)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert type(muon) is torch.optim.Muon and len(muon.param_groups) == 1
+    assert {names[id(p)] for p in muon.param_groups[0]["params"]} == {
+        f"transformer.h.{i}.{m}.weight" for i in range(2) for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")}
+    assert (muon.defaults["lr"], muon.defaults["weight_decay"], muon.defaults["adjust_lr_fn"]) == (0.02, 0.1, "match_rms_adamw")
+    decayed, not_decayed = adamw.param_groups
+    assert type(adamw) is torch.optim.AdamW and adamw.defaults["lr"] == 0.02
+    assert {names[id(p)] for p in decayed["params"]} == {"transformer.wte.weight", "transformer.wpe.weight"}
+    assert decayed["weight_decay"] == 0.1 and all(p.dim() == 1 for p in not_decayed["params"])
+    assert len(muon.param_groups[0]["params"]) + len(decayed["params"]) + len(not_decayed["params"]) == len(
+        list(model.parameters()))
+
+
+def test_muon_is_refused_in_one_line_by_a_pytorch_without_it(monkeypatch):
+    monkeypatch.delattr(torch.optim, "Muon")
+    with pytest.raises(t.ConfigError, match=r"^--optimizer muon needs torch.optim.Muon, new in PyTorch 2.9; this is "
+                                            r"\S+: upgrade torch$"):
+        t.check_config(t.parse_args(["--optimizer", "muon"]), world_size=1)
 
 
 def train_steps(model, optimizer, batches):
@@ -74,7 +97,7 @@ def test_fused_adamw_the_cuda_default_steps_like_the_plain_one(one_thread):
     results = []
     for fused in (False, True):
         model = tiny_model()
-        optimizer = t.configure_optimizer(model, cfg, fused=fused)
+        [optimizer] = t.configure_optimizer(model, cfg, fused=fused)
         assert optimizer.defaults["fused"] is fused
         for _ in range(3):
             optimizer.zero_grad(set_to_none=True)

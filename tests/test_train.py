@@ -142,12 +142,12 @@ def test_reduced_precision_paths_track_float32(tmp_path, dtype, tolerance):
     assert max(abs(a - b) for a, b in zip(reduced, reference)) < tolerance
 
 
-# compile's own fused loss, or chunks; and with the blocks recomputed in backward
-@pytest.mark.parametrize("loss_flags", [[], ["--loss_chunk_size", "48"], ["--recompute"]])
-def test_compiled_model_trains_like_the_eager_one(tmp_path, loss_flags):
+# compile's own fused loss, or chunks; with the blocks recomputed in backward; with Muon
+@pytest.mark.parametrize("flags", [[], ["--loss_chunk_size", "48"], ["--recompute"], ["--optimizer", "muon"]])
+def test_compiled_model_trains_like_the_eager_one(tmp_path, flags):
     """torch.compile is the CUDA default; inductor also compiles for CPU, so a GPU run finds no surprise."""
-    eager = train_losses(run(["--max_steps", "3"], tmp_path, "eager"))
-    compiled = train_losses(run(["--max_steps", "3", "--compile"] + loss_flags, tmp_path, "compiled"))
+    eager = train_losses(run(["--max_steps", "3"] + flags, tmp_path, "eager"))
+    compiled = train_losses(run(["--max_steps", "3", "--compile"] + flags, tmp_path, "compiled"))
     assert max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4
 
 
@@ -200,11 +200,13 @@ def test_mfu_counts_the_peak_of_every_device_of_the_step():
     assert t.model_flops_utilization(8 * one_share, 1100.0, 989, world_size=8) == pytest.approx(0.414457, abs=1e-6)
 
 
-def test_a_diverging_run_stops_with_one_line_and_saves_nothing_from_that_step(tmp_path, capsys):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_a_diverging_run_stops_with_one_line_and_saves_nothing_from_that_step(tmp_path, capsys, optimizer):
     # with a learning rate of 1e8 the first update blows the weights up: step 1's loss is NaN
     log_dir = tmp_path / "log"
     with pytest.raises(SystemExit) as stopped:
-        run(["--max_lr", "1e8", "--warmup_steps", "0", "--ckpt_every", "1", "--keep_ckpts", "0"], tmp_path)
+        run(["--max_lr", "1e8", "--warmup_steps", "0", "--ckpt_every", "1", "--keep_ckpts", "0", "--optimizer",
+             optimizer], tmp_path)
     assert stopped.value.code == 2
     checkpoint = log_dir / "ckpt_1.pt"
     assert capsys.readouterr().err == (
