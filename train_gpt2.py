@@ -634,9 +634,10 @@ def configure_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool,
     with --optimizer muon, Muon takes the blocks' matrices instead (the README says why).
     sharded: ZeRO stage 1; its consolidated state_dict is the plain one's."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
-    to_muon = [p for name, p in named if cfg.optimizer == "muon" and p.dim() == 2
-               and name.startswith("transformer.h.")]
-    params = [p for _, p in named if all(p is not q for q in to_muon)]
+    muon_names = {name for name, p in named if cfg.optimizer == "muon" and p.dim() == 2
+                  and name.startswith("transformer.h.")}
+    to_muon = [p for name, p in named if name in muon_names]
+    params = [p for name, p in named if name not in muon_names]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     # not fused when sharded: a sharded fused AdamW cannot load a checkpoint (PyTorch #124133)
@@ -651,9 +652,9 @@ def configure_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool,
         # imported here: it imports FSDP and DTensor, 1.8 s of every start on a 2-core machine
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return [ZeroRedundancyOptimizer(params, optimizer_class=kind, **options)
-                for kind, params, options in chosen]
-    return [kind(params, **options) for kind, params, options in chosen]
+        return [ZeroRedundancyOptimizer(owned, optimizer_class=kind, **options)
+                for kind, owned, options in chosen]
+    return [kind(owned, **options) for kind, owned, options in chosen]
 
 
 # ------------------------------------------------------------ training loop
@@ -1435,8 +1436,7 @@ def restore_rng_states(states: dict, device: str) -> None:
 
 
 def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, device, log) -> int:
-    """Weights, optimizer states, scaler, data position and RNG; the step to go on from (0 if
-    none)."""
+    """Weights, optimizer states, scaler, data position, RNG; the step to go on from (0: none)."""
     if checkpoint is None:
         return 0
     model.load_state_dict(checkpoint["model"])
