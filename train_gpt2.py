@@ -104,7 +104,8 @@ class TrainConfig:
                        section="runtime")
     dtype: str = flag("auto", "autocast dtype (auto: bfloat16 on CUDA, else float32)",
                       choices=["auto", "float32", "bfloat16", "float16"])
-    compile: bool | None = flag(None, "torch.compile the model (default: on for CUDA)")
+    compile: bool | None = flag(None, "torch.compile the model (default: on for CUDA; off for "
+                                      "--generate)")
     fp8: bool = flag(False, "float8 matmuls in the blocks through torchao (Ada, Hopper GPUs)")
     loss_chunk_size: int | None = flag(None, "loss over slices of N tokens; 0: full logits "
                                              "(default: 0 with compile, else 8192)")
@@ -192,14 +193,24 @@ class GPTConfig:
 
 
 class KVCache:
-    """For generation: layers[i] is layer i's (k, v), each (B, n_head, tokens so far, head_dim)."""
+    """Generation's keys and values, allocated once for all block_size positions, so that every
+    one-token step has the same shapes: an attention plan or a compiled step is made once, not
+    again for each length. keys[i], values[i]: layer i's (B, n_head, block_size, head_dim)."""
 
-    def __init__(self, n_layer: int):
-        self.layers = [None] * n_layer
+    def __init__(self, n_layer: int, block_size: int):
+        self.keys, self.values, self.block_size = [None] * n_layer, [None] * n_layer, block_size
 
-    @property
-    def length(self) -> int:
-        return 0 if self.layers[0] is None else self.layers[0][0].size(2)
+    def update(self, layer: int, positions, k, v):
+        """Write k, v (B, n_head, T, head_dim) at positions (T,); return the layer's whole cache."""
+        if self.keys[layer] is None:  # the first call, in the dtype autocast gives k and v
+            shape = (*k.shape[:2], self.block_size, k.size(3))
+            self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
+            for buffer in (self.keys[layer], self.values[layer]):
+                # a compiled step writes into it in place: CUDA graphs then keep its address
+                torch._dynamo.mark_static_address(buffer, guard=False)
+        self.keys[layer].index_copy_(2, positions, k)
+        self.values[layer].index_copy_(2, positions, v)
+        return self.keys[layer], self.values[layer]
 
 
 class CausalSelfAttention(nn.Module):
@@ -210,21 +221,19 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, cache: KVCache | None = None, layer: int = 0):
+    def forward(self, x, cache: KVCache | None = None, layer: int = 0, positions=None):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        if cache is not None:
-            if cache.layers[layer] is not None:
-                if T != 1:
-                    raise ValueError("a filled KV cache takes one new token at a time")
-                past_k, past_v = cache.layers[layer]
-                k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
-            cache.layers[layer] = (k, v)
-        # T new queries over all keys: causal among themselves; a single new token sees every key
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        else:  # generating: the T new tokens at positions (T,) join the cache
+            k, v = cache.update(layer, positions, k, v)
+            # (T, block_size): each query sees the keys up to its own position, never the unwritten
+            visible = positions[:, None] >= torch.arange(cache.block_size, device=x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -251,8 +260,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, cache: KVCache | None = None, layer: int = 0):
-        x = x + self.attn(self.ln_1(x), cache, layer)
+    def forward(self, x, cache: KVCache | None = None, layer: int = 0, positions=None):
+        x = x + self.attn(self.ln_1(x), cache, layer, positions)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -287,27 +296,28 @@ class GPT(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def hidden_states(self, idx, cache: KVCache | None = None):
-        """idx (B, T), following the cache's tokens -> (B, T, n_embd), before lm_head."""
+    def hidden_states(self, idx, cache: KVCache | None = None, positions=None):
+        """idx (B, T) at positions (T,) (default 0 to T - 1) -> (B, T, n_embd), before lm_head.
+        With a cache, the T tokens follow the tokens already in it."""
         B, T = idx.shape
-        start = cache.length if cache is not None else 0
-        if start + T > self.config.block_size:
-            raise ValueError(f"sequence of {start + T} tokens is longer than block_size "
+        if T > self.config.block_size:
+            raise ValueError(f"sequence of {T} tokens is longer than block_size "
                              f"{self.config.block_size}")
-        positions = torch.arange(start, start + T, device=idx.device)
+        if positions is None:
+            positions = torch.arange(T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
         for layer, block in enumerate(self.transformer.h):
             if self.recompute_blocks and cache is None and torch.is_grad_enabled():
                 # saves x alone for backward, and runs the block again there
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
             else:
-                x = block(x, cache, layer)
+                x = block(x, cache, layer, positions)
         return self.transformer.ln_f(x)
 
-    def forward(self, idx, targets=None, cache: KVCache | None = None):
+    def forward(self, idx, targets=None):
         """Logits (B, T, vocab_size) for idx (B, T), or the mean loss if targets (B, T) is given."""
         B, T = idx.shape
-        x = self.hidden_states(idx, cache)
+        x = self.hidden_states(idx)
         if targets is None:
             return self.lm_head(x)
         if self.loss_chunk_size:
@@ -571,7 +581,7 @@ def pick_device(requested: str, launch: Launch, gpu_count: int, mps_available: b
     if index and int(index) >= gpu_count:
         raise ConfigError(f"--device {requested} is not on this machine, which has {gpu_count} "
                           f"GPU(s), cuda:0 to cuda:{gpu_count - 1}: pick one of those")
-    return requested
+    return "cuda:0" if requested == "cuda" else requested  # torch.cuda.set_device needs an index
 
 
 def init_distributed(launch: Launch, device: str) -> None:
@@ -810,37 +820,77 @@ def estimate_val_loss(model, loader: DataLoader, eval_steps: int, accum_steps: i
     return all_reduce_mean(step_losses, launch).mean().item()
 
 
+def next_token(model: GPT, idx, cache: KVCache | None, positions, noise, temperature: float):
+    """The token after idx (B, T) at positions (T,), drawn among the top k: argmax(p / E), E the
+    noise (B, k) of Exp(1) draws, is a sample of p (torch.multinomial's way, without its check
+    that waits for the device). Returns (B, 1)."""
+    hidden = model.hidden_states(idx, cache, positions)[:, -1]  # (B, n_embd)
+    logits = model.lm_head(hidden)[:, :GPT2_VOCAB_SIZE].float() / temperature  # no padding row
+    top_logits, top_ids = torch.topk(logits, noise.size(1), dim=-1)
+    choice = (F.softmax(top_logits, dim=-1) / noise).argmax(dim=-1, keepdim=True)
+    return top_ids.gather(-1, choice)
+
+
+# the prompt's pass, then the one-token step's first two calls (compiling it, recording its CUDA
+# graph): the warm-up that --generate's tokens/s leaves out
+GENERATE_WARMUP_TOKENS = 3
+
+
 @torch.no_grad()
 def generate(model: GPT, prompt_tokens: list[int], num_samples: int, max_new_tokens: int,
              temperature: float, top_k: int, seed: int, device: str, autocast,
-             use_cache: bool = True) -> list[list[int]]:
+             use_cache: bool = True, compile_step: bool = False,
+             timing: dict | None = None) -> list[list[int]]:
     """Sample continuations with a private generator (the training RNG is untouched). An empty
-    prompt starts from <|endoftext|>, as GPT-2's own samples did. With the cache each token after
-    the first call costs one position, until the text outgrows block_size."""
+    prompt starts from <|endoftext|>, as GPT-2's own samples did. With the cache the prompt is one
+    pass and each later token one position, until the text outgrows block_size; from there, as
+    without the cache, each token rereads the last block_size. The loop never waits for the
+    device: the tokens come back once, at the end. compile_step: torch.compile the one-token step
+    (CUDA graphs on CUDA). timing gets the warm-up's seconds and the rest's."""
     model.eval()
-    context = prompt_tokens or [END_OF_TEXT]
-    tokens = torch.tensor(context, device=device).repeat(num_samples, 1)  # (num_samples, length)
+    context, block_size = prompt_tokens or [END_OF_TEXT], model.config.block_size
+    tokens = torch.zeros(num_samples, len(context) + max_new_tokens, dtype=torch.long,
+                         device=device)
+    tokens[:, : len(context)] = torch.tensor(context)
     generator = torch.Generator(device=device).manual_seed(seed)
-    real_vocab = min(model.config.vocab_size, GPT2_VOCAB_SIZE)  # never sample a padding row
-    cache = KVCache(model.config.n_layer) if use_cache else None
-    for _ in range(max_new_tokens):
+    k = min(top_k, model.config.vocab_size, GPT2_VOCAB_SIZE)
+    cache = KVCache(model.config.n_layer, block_size) if use_cache else None
+    position = torch.tensor([len(context)], device=device)  # the one-token step's: +1 in place
+    step = next_token
+    if compile_step:
+        step = torch.compile(next_token, fullgraph=True,
+                             mode="reduce-overhead" if device.startswith("cuda") else None)
+    clock = [time.perf_counter()]
+    for length in range(len(context), tokens.size(1)):  # tokens so far
+        if timing is not None and length == len(context) + GENERATE_WARMUP_TOKENS:
+            tokens[0, length - 1].item()  # for the clock alone: waits for the warm-up to end
+            clock.append(time.perf_counter())
+        noise = torch.empty(num_samples, k, device=device).exponential_(generator=generator)
         with autocast():
-            if cache is not None and tokens.size(1) <= model.config.block_size:
-                logits = model(tokens[:, cache.length :], cache=cache)
-            else:
-                logits = model(tokens[:, -model.config.block_size :])
-        logits = logits[:, -1, :real_vocab].float() / temperature  # (num_samples, real_vocab)
-        top_logits, top_ids = torch.topk(logits, min(top_k, real_vocab), dim=-1)
-        choice = torch.multinomial(F.softmax(top_logits, dim=-1), 1, generator=generator)
-        tokens = torch.cat([tokens, torch.gather(top_ids, -1, choice)], dim=1)
+            if cache is None or length > block_size:  # the last block_size tokens, all again
+                window = tokens[:, max(0, length - block_size) : length]
+                new = next_token(model, window, None, None, noise, temperature)
+            elif length == len(context):  # the prompt fills the cache
+                new = next_token(model, tokens[:, :length], cache,
+                                 torch.arange(length, device=device), noise, temperature)
+            else:  # the newest token alone
+                new = step(model, last, cache, position, noise, temperature)
+                position += 1
+        last = new.clone()  # a CUDA graph's output is overwritten by its next run
+        tokens[:, length] = last[:, 0]
     model.train()
-    return tokens[:, len(context) :].tolist()
+    samples = tokens[:, len(context) :].tolist()
+    if timing is not None:
+        timing["warm_up_s"] = clock[1] - clock[0] if len(clock) > 1 else None
+        timing["rest_s"] = time.perf_counter() - clock[-1]
+    return samples
 
 
-def print_samples(model: GPT, tokenizer, cfg: TrainConfig, device: str, autocast) -> list[str]:
+def print_samples(model: GPT, tokenizer, cfg: TrainConfig, device: str, autocast,
+                  compile_step: bool = False, timing: dict | None = None) -> list[str]:
     samples = generate(model, tokenizer.encode_ordinary(cfg.prompt), cfg.num_samples,
                        cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, device, autocast,
-                       use_cache=cfg.kv_cache)
+                       cfg.kv_cache, compile_step, timing)
     texts = [cfg.prompt + tokenizer.decode(sample) for sample in samples]
     for i, text in enumerate(texts):
         print(f"sample {i}: {text}", flush=True)
@@ -1734,13 +1784,24 @@ def make_profiler(cfg: TrainConfig, device_type: str, start_step: int, log: Metr
 
 
 def generate_samples(cfg: TrainConfig, device: str) -> list[str]:
+    """--generate. It compiles the one-token step only when --compile says so: a compile takes
+    longer than a short generation (README: Memory and speed)."""
     model = build_model(cfg, device)
     _, autocast = precision(cfg, device.split(":")[0])
-    started = time.perf_counter()
-    texts = print_samples(model, gpt2_tokenizer(), cfg, device, autocast)
-    elapsed, tokens = time.perf_counter() - started, cfg.num_samples * cfg.max_new_tokens
-    print(f"{tokens:,} tokens in {elapsed:.2f} s: {tokens / elapsed:,.1f} tokens/s (KV cache "
-          f"{'on' if cfg.kv_cache else 'off'}, {count_parameters(model):,} parameters)", flush=True)
+    timing = {}
+    texts = print_samples(model, gpt2_tokenizer(), cfg, device, autocast, bool(cfg.compile), timing)
+    settings = (f"KV cache {'on' if cfg.kv_cache else 'off'}, compile "
+                f"{'on' if cfg.compile else 'off'}, {count_parameters(model):,} parameters")
+    timed_tokens = cfg.num_samples * (cfg.max_new_tokens - GENERATE_WARMUP_TOKENS)
+    if timed_tokens > 0:
+        print(f"{timed_tokens:,} tokens in {timing['rest_s']:.2f} s: "
+              f"{timed_tokens / timing['rest_s']:,.1f} tokens/s ({settings}), after the first "
+              f"{GENERATE_WARMUP_TOKENS} of each sample (warm-up: {timing['warm_up_s']:.2f} s)",
+              flush=True)
+    else:
+        tokens = cfg.num_samples * cfg.max_new_tokens
+        print(f"{tokens:,} tokens in {timing['rest_s']:.2f} s, warm-up included ({settings})",
+              flush=True)
     return texts
 
 

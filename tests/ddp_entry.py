@@ -64,8 +64,8 @@ def nan_loss(rank, step, flags):
     plain_forward = train_gpt2.GPT.forward
     training_forwards = [0]
 
-    def forward_that_diverges_on_one_rank(self, idx, targets=None, cache=None):
-        loss = plain_forward(self, idx, targets, cache)
+    def forward_that_diverges_on_one_rank(self, idx, targets=None):
+        loss = plain_forward(self, idx, targets)
         if targets is not None and self.training and os.environ["RANK"] == rank:
             training_forwards[0] += 1
             if training_forwards[0] == step + 1:

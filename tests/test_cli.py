@@ -248,6 +248,23 @@ def test_more_gpus_asked_for_than_the_machine_has(device, launch, message):
     assert t.pick_device(device, launch, 8, False) == ("cuda:0" if launch.torchrun else "cuda:4")  # 8 GPUs: fine
 
 
+@pytest.mark.parametrize("flags", [[], ["--device", "cuda"], ["--no-compile"]])
+def test_a_plain_run_on_a_gpu_machine_starts_on_cuda_0(flags, monkeypatch):
+    """The README's one-GPU command, `python train_gpt2.py` without torchrun: it used to stop at start on a GPU,
+    as torch.cuda.set_device("cuda") raises. CUDA is reported present here, and set_device checks its argument
+    with torch's own function, as the real one does first."""
+    from torch.cuda._utils import _get_device_index
+
+    selected, started = [], []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: selected.append(_get_device_index(device)))
+    monkeypatch.setattr(t, "train", lambda cfg, launch, device, stop_signal: started.append(device) or "trained")
+    assert t.main(t.parse_args(flags)) == "trained"
+    assert selected == [0] and started == ["cuda:0"]
+    with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
+        torch.cuda.set_device("cuda")  # the stand-in rejects what the real call rejected
+
+
 def test_sequence_longer_than_the_checkpoint_model(tmp_path):
     import train_gpt2 as t
 

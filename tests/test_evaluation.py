@@ -330,7 +330,9 @@ def test_init_from_our_checkpoint_and_generate(one_thread, tmp_path):
     result = run_script(args + ["--no-kv_cache"], env=ONE_THREAD)
     assert result.returncode == 0, result.stderr
     assert [line.removeprefix(f"sample {i}: ") for i, line in enumerate(result.stdout.splitlines()[:2])] == texts
-    assert "10 tokens in" in result.stdout and "(KV cache off, 1,637,248 parameters)" in result.stdout
+    speed = result.stdout.splitlines()[-1]  # the 3 warm-up tokens of each sample left out: 2 x (5 - 3) timed
+    assert re.fullmatch(r"4 tokens in \d+\.\d\d s: [\d,.]+ tokens/s \(KV cache off, compile off, 1,637,248 parameters\),"
+                        r" after the first 3 of each sample \(warm-up: \d+\.\d\d s\)", speed), speed
 
 
 @pytest.mark.parametrize("source", ["gpt2", "our checkpoint"])
@@ -382,16 +384,55 @@ def test_cached_decoding_gives_the_same_logits_and_tokens():
     torch.manual_seed(0)
     model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64))
     tokens = torch.randint(0, 64, (2, 20))
-    cache = t.KVCache(2)
+    cache = t.KVCache(2, 32)
     with torch.no_grad():
-        stepwise = [model(tokens[:, :12], cache=cache)[:, -1]]  # the prompt in one call
-        stepwise += [model(tokens[:, i : i + 1], cache=cache)[:, -1] for i in range(12, 20)]  # then one at a time
-        full = model(tokens)[:, 11:]
+        stepwise = [model.hidden_states(tokens[:, :12], cache, torch.arange(12))[:, -1]]  # the prompt in one call
+        stepwise += [model.hidden_states(tokens[:, i : i + 1], cache, torch.tensor([i]))[:, -1]
+                     for i in range(12, 20)]  # then one at a time
+        full = model.hidden_states(tokens)[:, 11:]
     torch.testing.assert_close(torch.stack(stepwise, dim=1), full, rtol=0, atol=1e-5)
-    for length in (10, 50):  # 50 runs past block_size, where both reread the last 32 tokens
+    assert [tuple(keys.shape) for keys in cache.keys] == [(2, 2, 32, 16)] * 2  # allocated once, for block_size
+    for length in (10, 29, 30, 50):  # past 29 the text outgrows block_size: both reread the last 32 tokens
         with_cache = t.generate(model, [1, 2, 3], 3, length, 1.0, 20, 7, "cpu", contextlib.nullcontext, True)
         without = t.generate(model, [1, 2, 3], 3, length, 1.0, 20, 7, "cpu", contextlib.nullcontext, False)
         assert with_cache == without
+
+
+def test_generation_waits_for_the_device_only_for_the_tokens_at_the_end():
+    """No operation that makes the host wait for the device (a GPU) between tokens: .item(), bool() and int() of a
+    tensor dispatch aten._local_scalar_dense; torch.multinomial checks its input that way; nonzero sizes its output
+    so. Only the tokens come back, once (tolist reads them without dispatching)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OperationLog(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            operations.append(func.name())
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    for use_cache in (True, False):
+        operations = []
+        with OperationLog():
+            t.generate(model, [1, 2, 3], 2, 20, 1.0, 10, 0, "cpu", contextlib.nullcontext, use_cache)
+        assert len(operations) > 20 * 10
+        waits = {"aten::_local_scalar_dense", "aten::multinomial", "aten::nonzero", "aten::item"}
+        assert waits.isdisjoint(operations)
+
+
+def test_the_compiled_one_token_step_compiles_once_for_the_whole_text():
+    """--generate --compile: one graph for every one-token step, however long the text grows (a position that
+    Python saw as a number would recompile the step each token), and the same tokens as without compile."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64))
+    eager = t.generate(model, [1, 2, 3], 3, 40, 1.0, 20, 7, "cpu", contextlib.nullcontext, True)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = t.generate(model, [1, 2, 3], 3, 40, 1.0, 20, 7, "cpu", contextlib.nullcontext, True, True)
+    assert compiled == eager
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
 
 def test_loss_plot_is_a_png(tmp_path):

@@ -20,6 +20,7 @@ import pytest
 import fineweb
 import train_gpt2
 from conftest import ROOT, TINY_ARGS, run_python
+from test_ddp import torchrun
 
 # Words of a made-up corpus: ASCII, accents, CJK, Cyrillic, Arabic, an emoji, tabs, newlines and U+2028
 # (a line separator that a JSON line may hold raw)
@@ -655,8 +656,7 @@ def test_end_to_end_train_on_the_shards_one_and_two_processes(corpus_shards, tmp
     train_losses, val_losses = losses(tmp_path / "one")
     assert train_losses[-1] < train_losses[0] - 1.5, train_losses  # measured: 10.83 -> 8.25
     assert val_losses[0] < train_losses[0] - 1.0, val_losses  # measured: 9.08
-    double = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_gpt2.py"]
-                        + shard_training_args(out_dir, tmp_path / "two"), env={"OMP_NUM_THREADS": "1"})
+    double = torchrun(2, ["train_gpt2.py"] + shard_training_args(out_dir, tmp_path / "two"))  # reruns an abort at exit
     assert double.returncode == 0, double.stderr
     assert losses(tmp_path / "two") == (train_losses, val_losses)  # 2 ranks x 1 micro-step = 1 x 2, exactly
 

@@ -222,7 +222,7 @@ def test_dropout_is_where_gpt2_had_it_and_only_in_training(monkeypatch):
         "transformer.drop"] + [f"transformer.h.{i}.{m}" for i in range(2) for m in ("attn.resid_dropout", "mlp.dropout")]
     attention_dropout, sdpa = [], F.scaled_dot_product_attention
     monkeypatch.setattr(F, "scaled_dot_product_attention",
-                        lambda *args, dropout_p, **kwargs: attention_dropout.append(dropout_p) or
+                        lambda *args, dropout_p=0.0, **kwargs: attention_dropout.append(dropout_p) or
                         sdpa(*args, dropout_p=dropout_p, **kwargs))
     idx = torch.randint(0, 64, (3, 16))
     with torch.no_grad():

@@ -105,9 +105,12 @@ class PaddedVocabModel(torch.nn.Module):
 
     config = t.GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=50304)
 
-    def forward(self, idx):
+    def hidden_states(self, idx, cache=None, positions=None):
         assert idx.shape[1] <= 4, "the context must be cropped to block_size"
-        logits = torch.zeros(*idx.shape, 50304)
+        return torch.zeros(*idx.shape, 8)
+
+    def lm_head(self, hidden):
+        logits = torch.zeros(*hidden.shape[:-1], 50304)
         logits[..., 50257:] = 100.0
         logits[..., 7] = 50.0
         return logits
@@ -120,9 +123,9 @@ def test_generate_never_samples_padding_rows_and_crops_to_block_size():
 
 
 class ContextRecordingModel(PaddedVocabModel):
-    def forward(self, idx):
+    def hidden_states(self, idx, cache=None, positions=None):
         self.contexts = getattr(self, "contexts", []) + [idx[0].tolist()]
-        return super().forward(idx)
+        return super().hidden_states(idx)
 
 
 def test_an_empty_prompt_samples_from_end_of_text_as_gpt2_does():
@@ -288,7 +291,7 @@ def raise_out_of_memory(*args, **kwargs):
 ])
 def test_running_out_of_device_memory_is_one_line_naming_the_flag_to_lower(tmp_path, capsys, monkeypatch, flags,
                                                                              fix):
-    monkeypatch.setattr(t.GPT, "forward", raise_out_of_memory)
+    monkeypatch.setattr(t.GPT, "hidden_states", raise_out_of_memory)
     with pytest.raises(SystemExit) as stopped:
         run(flags, tmp_path)
     assert stopped.value.code == 2
