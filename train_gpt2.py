@@ -79,13 +79,11 @@ class TrainConfig:
     block_size: int = flag(1024, "longest context the model accepts (learned positions)")
     vocab_size: int = flag(50304, "embedding rows: 50257 tokens padded to a multiple of 128")
     dropout: float = flag(0.0, "dropout where GPT-2 had it, training only (0.1-0.2 to fine-tune)")
-    data_dir: str = flag("", "folder of fineweb.py's .npy shards; empty: --text_file",
-                         section="data")
+    data_dir: str = flag("", "fineweb.py's .npy shards' folder; empty: --text_file", section="data")
     text_file: str = flag("", "text to split 90/10 into train/val (default: tiny Shakespeare)")
     shuffle: bool | None = flag(None, "new seeded window order each epoch (default: on for shards)")
     # batch: 2**19 = 524,288 tokens a step, about GPT-3 small's 0.5M
-    total_batch_size: int = flag(2**19, "tokens per optimizer step, over all processes",
-                                 section="batch")
+    total_batch_size: int = flag(2**19, "tokens per optimizer step, all processes", section="batch")
     micro_batch_size: int = flag(64, "sequences per forward/backward pass per process")
     seq_len: int = flag(1024, "tokens per training sequence (at most --block_size)")
     # optimizer and schedule: GPT-3 small's, as in build-nanogpt
@@ -100,20 +98,16 @@ class TrainConfig:
     beta2: float = flag(0.95, "AdamW beta2")
     eps: float = flag(1e-8, "AdamW epsilon")
     grad_clip: float = flag(1.0, "clip the global gradient norm to this; 0: off")
-    device: str = flag("auto", "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps",
-                       section="runtime")
+    device: str = flag("auto", "auto (cuda, mps, cpu), cpu, cuda, cuda:N or mps", section="runtime")
     dtype: str = flag("auto", "autocast dtype (auto: bfloat16 on CUDA, else float32)",
                       choices=["auto", "float32", "bfloat16", "float16"])
-    compile: bool | None = flag(None, "torch.compile the model (default: on for CUDA; off for "
-                                      "--generate)")
-    fp8: bool = flag(False, "float8 matmuls in the blocks through torchao (Ada, Hopper GPUs)")
+    compile: bool | None = flag(None, "torch.compile (default: on for CUDA; off for --generate)")
     loss_chunk_size: int | None = flag(None, "loss over slices of N tokens; 0: full logits "
                                              "(default: 0 with compile, else 8192)")
     recompute: bool = flag(False, "recompute each block's activations in backward (less memory)")
     shard_optimizer: bool = flag(False, "under torchrun, share the optimizer state out (ZeRO-1)")
     seed: int = flag(1337, "seed for initialisation, shuffling and sampling")
     peak_tflops: float = flag(989.0, "one device's peak TFLOP/s, for MFU (989: H100 SXM bf16)")
-    profile_steps: int = flag(0, "profile N steps with torch.profiler after 4 warm-up steps")
     init_from: str = flag("", "start from gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint",
                           section="weights and run modes")
     eval_only: bool = flag(False, "print the val loss and HellaSwag accuracy, then exit")
@@ -131,7 +125,7 @@ class TrainConfig:
     prompt: str = flag("Hello, I'm a language model,", "text the samples continue")
     hellaswag_every: int = flag(0, "HellaSwag accuracy every N steps and at the end; 0: never")
     hellaswag_path: str = flag("", "hellaswag_val.jsonl (default: downloaded once)")
-    log_dir: str = flag("log", "folder for metrics.jsonl, loss.png and checkpoints")
+    log_dir: str = flag("log", "folder for metrics.jsonl and checkpoints")
     ckpt_every: int = flag(1000, "checkpoint every N steps and at the end; 0: never",
                            section="checkpoints")
     keep_ckpts: int = flag(2, "keep the N newest checkpoints; 0: all")
@@ -149,7 +143,7 @@ def parse_args(argv: list[str]) -> TrainConfig:
     evaluation length it was trained with, unless flags give them."""
     parser = _OneLineErrorParser(
         description="Pretrain GPT-2 (defaults: the 124M recipe on GPUs).", usage="%(prog)s [flags]",
-        formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=50, width=200))
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=32))
     for f in dataclasses.fields(TrainConfig):
         if f.metadata["section"]:
             group = parser.add_argument_group(f.metadata["section"])
@@ -721,7 +715,6 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
             f"= {accum_steps} micro-steps x {W} process(es) x {cfg.micro_batch_size} x "
             f"{cfg.seq_len}; {'optimizer state sharded over the processes; ' if sharded else ''}"
             f"{train_loader.stream.num_tokens:,} train tokens")
-    profiler = make_profiler(cfg, device_type, start_step, log) if cfg.profile_steps else None
     step_ms, epoch = [], train_loader.epoch
 
     for step in range(start_step, cfg.max_steps):
@@ -743,8 +736,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
         elapsed_ms = (time.perf_counter() - started) * 1000
 
         # the rest is bookkeeping: log, evaluate, sample, checkpoint
-        if not (profiler and UNTIMED_STEPS <= step - start_step < steps_to_profile(cfg)):
-            step_ms.append(elapsed_ms)  # profiled steps run slower
+        step_ms.append(elapsed_ms)
         mfu = flops_per_step and model_flops_utilization(flops_per_step, elapsed_ms,
                                                          cfg.peak_tflops, W)
         log.train_step(step, cfg, loss, lr, grad_norm, elapsed_ms, mfu)
@@ -768,8 +760,6 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
             log.write({"step": step, **scores}, f"step {step:5d}/{cfg.max_steps} | HellaSwag "
                       f"acc_norm {scores['hellaswag_acc_norm']:.4f} (acc "
                       f"{scores['hellaswag_acc']:.4f})")
-        if evaluate or score_hellaswag or last_step:
-            log.plot()
         if launch.rank == 0 and due(cfg.sample_every, steps_done, last_step):
             print_samples(raw_model, run.tokenizer, cfg, device, autocast)
 
@@ -785,11 +775,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
                     f"{steps_done}.pt written: to continue, run the same command with --resume "
                     "auto")
             break
-        if profiler:
-            profiler.step()
 
-    if profiler:
-        profiler.stop()  # reports now if the run ended while recording
     if not step_ms:
         log.say(f"nothing to train: the checkpoint is at step {start_step} of --max_steps "
                 f"{cfg.max_steps}")
@@ -831,8 +817,7 @@ def next_token(model: GPT, idx, cache: KVCache | None, positions, noise, tempera
     return top_ids.gather(-1, choice)
 
 
-# the prompt's pass, then the one-token step's first two calls (compiling it, recording its CUDA
-# graph): the warm-up that --generate's tokens/s leaves out
+# left out of --generate's tokens/s: the prompt's pass, the step's compile and CUDA graph record
 GENERATE_WARMUP_TOKENS = 3
 
 
@@ -841,31 +826,29 @@ def generate(model: GPT, prompt_tokens: list[int], num_samples: int, max_new_tok
              temperature: float, top_k: int, seed: int, device: str, autocast,
              use_cache: bool = True, compile_step: bool = False,
              timing: dict | None = None) -> list[list[int]]:
-    """Sample continuations with a private generator (the training RNG is untouched). An empty
-    prompt starts from <|endoftext|>, as GPT-2's own samples did. With the cache the prompt is one
-    pass and each later token one position, until the text outgrows block_size; from there, as
-    without the cache, each token rereads the last block_size. The loop never waits for the
-    device: the tokens come back once, at the end. compile_step: torch.compile the one-token step
-    (CUDA graphs on CUDA). timing gets the warm-up's seconds and the rest's."""
+    """Sample continuations with a private generator (the training RNG is untouched); an empty
+    prompt starts from <|endoftext|>, as GPT-2's samples did. With the cache each token after the
+    prompt's pass is one position, until the text outgrows block_size; then, as without it, each
+    rereads the last block_size. The tokens come back once, at the end: nothing waits between."""
     model.eval()
     context, block_size = prompt_tokens or [END_OF_TEXT], model.config.block_size
     tokens = torch.zeros(num_samples, len(context) + max_new_tokens, dtype=torch.long,
                          device=device)
     tokens[:, : len(context)] = torch.tensor(context)
     generator = torch.Generator(device=device).manual_seed(seed)
-    k = min(top_k, model.config.vocab_size, GPT2_VOCAB_SIZE)
+    top_k = min(top_k, model.config.vocab_size, GPT2_VOCAB_SIZE)
     cache = KVCache(model.config.n_layer, block_size) if use_cache else None
     position = torch.tensor([len(context)], device=device)  # the one-token step's: +1 in place
-    step = next_token
+    step = next_token  # compiled: once for all lengths, with CUDA graphs on CUDA
     if compile_step:
         step = torch.compile(next_token, fullgraph=True,
                              mode="reduce-overhead" if device.startswith("cuda") else None)
-    clock = [time.perf_counter()]
+    started = time.perf_counter()
     for length in range(len(context), tokens.size(1)):  # tokens so far
         if timing is not None and length == len(context) + GENERATE_WARMUP_TOKENS:
             tokens[0, length - 1].item()  # for the clock alone: waits for the warm-up to end
-            clock.append(time.perf_counter())
-        noise = torch.empty(num_samples, k, device=device).exponential_(generator=generator)
+            timing["warm_up_s"], started = time.perf_counter() - started, time.perf_counter()
+        noise = torch.empty(num_samples, top_k, device=device).exponential_(generator=generator)
         with autocast():
             if cache is None or length > block_size:  # the last block_size tokens, all again
                 window = tokens[:, max(0, length - block_size) : length]
@@ -874,15 +857,14 @@ def generate(model: GPT, prompt_tokens: list[int], num_samples: int, max_new_tok
                 new = next_token(model, tokens[:, :length], cache,
                                  torch.arange(length, device=device), noise, temperature)
             else:  # the newest token alone
-                new = step(model, last, cache, position, noise, temperature)
+                new = step(model, tokens[:, length - 1 : length], cache, position, noise,
+                           temperature)
                 position += 1
-        last = new.clone()  # a CUDA graph's output is overwritten by its next run
-        tokens[:, length] = last[:, 0]
+        tokens[:, length] = new[:, 0]
     model.train()
     samples = tokens[:, len(context) :].tolist()
     if timing is not None:
-        timing["warm_up_s"] = clock[1] - clock[0] if len(clock) > 1 else None
-        timing["rest_s"] = time.perf_counter() - clock[-1]
+        timing["timed_s"] = time.perf_counter() - started
     return samples
 
 
@@ -991,11 +973,6 @@ def evaluate_hellaswag(model: GPT, batches: list[tuple], device: str, autocast,
 # ------------------------------------------------------------ checking the config
 
 
-def steps_to_profile(cfg: TrainConfig) -> int:
-    """Steps that --profile_steps spans: the untimed ones, 1 to warm the profiler, the profiled."""
-    return UNTIMED_STEPS + 1 + cfg.profile_steps
-
-
 def check_config(cfg: TrainConfig, world_size: int) -> None:
     shape_flags = [n for n in ("n_layer", "n_head", "n_embd") if getattr(cfg, n) is not None]
     for name in ["block_size", "vocab_size", "total_batch_size", "micro_batch_size", "seq_len",
@@ -1004,15 +981,12 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
     negative = [f"--{name} {getattr(cfg, name)}" for name in (
         "eval_every", "sample_every", "hellaswag_every", "ckpt_every", "keep_ckpts",
-        "stop_after_steps", "profile_steps", "loss_chunk_size", "max_new_tokens", "grad_clip",
+        "stop_after_steps", "loss_chunk_size", "max_new_tokens", "grad_clip",
         "weight_decay", "eps") if (getattr(cfg, name) or 0) < 0]
     if negative:
         raise ConfigError(f"{', '.join(negative)}: must be 0 or more")
     n_layer, n_head, n_embd = model_shape(cfg)
     micro_step_tokens = cfg.micro_batch_size * cfg.seq_len * world_size
-    run_steps, limit = cfg.max_steps, "--max_steps"
-    if 0 < cfg.stop_after_steps < cfg.max_steps:
-        run_steps, limit = cfg.stop_after_steps, "--stop_after_steps"
     modes = [f"--{mode}" for mode in ("generate", "eval_only", "export_hf") if getattr(cfg, mode)]
     mistakes = [
         (n_embd % n_head, f"--n_embd {n_embd} is not divisible by --n_head {n_head}: pick a width "
@@ -1036,9 +1010,6 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
                                                          f"{cfg.beta2} must be in [0, 1)"),
         (cfg.temperature <= 0, f"--temperature {cfg.temperature} is not above 0"),
         (cfg.peak_tflops <= 0, f"--peak_tflops {cfg.peak_tflops} is not above 0"),
-        (cfg.profile_steps and run_steps < steps_to_profile(cfg), f"--profile_steps "
-         f"{cfg.profile_steps} needs {steps_to_profile(cfg)} steps ({UNTIMED_STEPS} warm-up, 1 "
-         f"for the profiler): raise {limit} to {steps_to_profile(cfg)}"),
         (cfg.init_from and cfg.resume, "--init_from starts a new run and --resume continues one: "
                                        "drop one"),
         (cfg.init_from and cfg.init_from not in MODEL_SHAPES and not os.path.isfile(cfg.init_from),
@@ -1196,24 +1167,6 @@ def build_model(cfg: TrainConfig, device: str) -> GPT:
     return model.to(device)
 
 
-def check_fp8_supported(device: str, capability: tuple[int, int] | None) -> None:
-    if capability is None or capability < (8, 9):
-        raise ConfigError(f"--fp8 needs an NVIDIA GPU with float8 matmuls (compute capability 8.9 "
-                          f"or newer: Ada, Hopper); this run is on {device}: drop --fp8")
-
-
-def convert_to_float8(model: GPT) -> None:
-    """The blocks' nn.Linear layers become torchao's Float8Linear; lm_head (tied, feeding the loss)
-    stays. Float8 needs dimensions divisible by 16."""
-    try:
-        from torchao.float8 import convert_to_float8_training
-    except ImportError:
-        raise ConfigError("--fp8 needs torchao: pip install torchao") from None
-    convert_to_float8_training(model.transformer, module_filter_fn=lambda module, name: (
-        isinstance(module, nn.Linear) and module.in_features % 16 == 0
-        and module.out_features % 16 == 0))
-
-
 def precision(cfg: TrainConfig, device_type: str):
     """(dtype, autocast): autocast() opens an autocast context for that dtype (off for float32)."""
     dtype = getattr(torch, cfg.dtype) if cfg.dtype != "auto" else torch.float32
@@ -1259,8 +1212,6 @@ def prepare_training(cfg: TrainConfig, launch: Launch, device: str, log) -> Prep
         hellaswag = []
         if cfg.hellaswag_every:
             hellaswag = open_hellaswag(cfg, launch, model.config.block_size)
-        if cfg.fp8:
-            convert_to_float8(model)
         tokenizer = gpt2_tokenizer() if cfg.sample_every else None
         log.begin(checkpoint and checkpoint["step"])
         run = PreparedRun(model, train_loader, val_loader, checkpoint, hellaswag, tokenizer)
@@ -1275,9 +1226,6 @@ def prepare_training(cfg: TrainConfig, launch: Launch, device: str, log) -> Prep
         raise ConfigError(f"the ranks found different data or checkpoints ((train tokens, val "
                           f"tokens, checkpoint step) on each: {[found for _, found in posts]}): "
                           "give every machine the same shards and a shared --log_dir")
-    if device.startswith("cpu") and count_parameters(run.model) > 10**8:
-        log.say("hint: these are GPT-2 124M's GPU settings; on a CPU, start with the README's "
-                "quick start")
     if launch.rank == 0:
         remove_killed_writes(cfg.log_dir)
     return run
@@ -1317,8 +1265,8 @@ def import_transformers(flag: str):
     logging.disable(logging.WARNING)
     try:
         import transformers
+        import transformers.models.gpt2.modeling_gpt2  # here, quietly: transformers imports lazily
 
-        transformers.GPT2LMHeadModel  # its lazy modules import on first use
         transformers.utils.logging.disable_progress_bar()
         return transformers
     except ImportError:
@@ -1491,7 +1439,8 @@ def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, devic
         return 0
     model.load_state_dict(checkpoint["model"])
     states = checkpoint["optimizer"]  # one per optimizer; older checkpoints: AdamW's alone
-    for optimizer, state in zip(optimizers, [states] if isinstance(states, dict) else states):
+    for optimizer, state in zip(optimizers, [states] if isinstance(states, dict) else states,
+                                strict=True):
         optimizer.load_state_dict(state)
     if checkpoint["scaler"]:
         scaler.load_state_dict(checkpoint["scaler"])
@@ -1623,13 +1572,13 @@ def record_step(line: str, default: int) -> int:
 
 
 class MetricsLog:
-    """Rank 0 prints lines and appends JSON records to <log_dir>/metrics.jsonl (drawn in loss.png);
-    the other ranks are silent. A failed write is kept as the problem that every rank stops on at
+    """Rank 0 prints lines and appends JSON records to <log_dir>/metrics.jsonl; the other ranks are
+    silent. A failed write is kept as the problem that every rank stops on at
     the end of the step (signalled_on_any_rank); nothing more is written."""
 
     def __init__(self, log_dir: str, active: bool):
         self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
-        self.records, self.plot_hint_given, self.problem = [], False, None
+        self.records, self.problem = [], None
 
     def begin(self, resume_step: int | None) -> None:
         """A new run starts an empty file; a resumed one keeps the records before resume_step."""
@@ -1671,52 +1620,6 @@ class MetricsLog:
             line += f" | MFU {100 * mfu:.1f}%"
         self.write(record, line)
 
-    def plot(self) -> None:
-        png_path = os.path.join(os.path.dirname(self.path), "loss.png")
-        if not self.active or self.problem:
-            return
-        try:
-            plotted = plot_metrics(self.path, png_path)
-        except ConfigError as error:
-            self.problem = str(error)
-            return
-        if not plotted and not self.plot_hint_given:
-            self.say(f"{png_path} not written: matplotlib is not installed (pip install "
-                     "matplotlib)")
-            self.plot_hint_given = True
-
-
-def plot_metrics(metrics_path: str, png_path: str) -> bool:
-    """Train and val loss against step, HellaSwag acc_norm on a second axis."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only, no window
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    with open(metrics_path) as f:
-        records = [json.loads(line) for line in f]
-
-    def series(key):
-        return [r["step"] for r in records if key in r], [r[key] for r in records if key in r]
-
-    figure, loss_axis = plt.subplots(figsize=(9, 5))
-    loss_axis.plot(*series("train_loss"), label="train loss", linewidth=1)
-    loss_axis.plot(*series("val_loss"), "o-", label="val loss")
-    loss_axis.set(xlabel="step", ylabel="loss")
-    loss_axis.legend(loc="upper left")
-    if series("hellaswag_acc_norm")[0]:
-        accuracy_axis = loss_axis.twinx()
-        accuracy_axis.plot(*series("hellaswag_acc_norm"), "s-", color="tab:green",
-                           label="HellaSwag acc_norm")
-        accuracy_axis.legend(loc="upper right")
-    try:
-        write_atomically(png_path, lambda f: figure.savefig(f, format="png", dpi=100))
-    finally:
-        plt.close(figure)
-    return True
-
 
 def step_summary(step_ms, tokens_per_step, flops_per_step, cfg, device_type, world_size) -> dict:
     """Median speed over the steps after the untimed first ones, and peak memory: allocated on
@@ -1750,36 +1653,6 @@ def summary_line(summary: dict, peak_tflops: float) -> str:
     return line
 
 
-def make_profiler(cfg: TrainConfig, device_type: str, start_step: int, log: MetricsLog):
-    """On rank 0, a started torch.profiler: it skips UNTIMED_STEPS steps, warms up for 1, records
-    --profile_steps, then writes a trace and prints the costliest operators."""
-    if not log.active:
-        return None
-    if cfg.max_steps - start_step < steps_to_profile(cfg):
-        log.say(f"warning: no profile: {cfg.max_steps - start_step} steps are left after the "
-                f"checkpoint, fewer than the {steps_to_profile(cfg)} that --profile_steps "
-                f"{cfg.profile_steps} needs")
-        return None
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device_type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    trace_path = os.path.join(cfg.log_dir, "profile_trace.json.gz")
-
-    def report(profiler):
-        profiler.export_chrome_trace(trace_path)  # gzipped because of the name
-        by = "self_device_time_total" if device_type == "cuda" else "self_cpu_time_total"
-        print(profiler.key_averages().table(sort_by=by, row_limit=25), flush=True)
-        print(f"profile of {cfg.profile_steps} step(s) written to {trace_path} (open it in "
-              "ui.perfetto.dev)", flush=True)
-
-    schedule = torch.profiler.schedule(wait=UNTIMED_STEPS, warmup=1, active=cfg.profile_steps,
-                                       repeat=1)
-    profiler = torch.profiler.profile(activities=activities, schedule=schedule,
-                                      on_trace_ready=report)
-    profiler.start()
-    return profiler
-
-
 # ------------------------------------------------------------ other run modes
 
 
@@ -1790,18 +1663,13 @@ def generate_samples(cfg: TrainConfig, device: str) -> list[str]:
     _, autocast = precision(cfg, device.split(":")[0])
     timing = {}
     texts = print_samples(model, gpt2_tokenizer(), cfg, device, autocast, bool(cfg.compile), timing)
-    settings = (f"KV cache {'on' if cfg.kv_cache else 'off'}, compile "
-                f"{'on' if cfg.compile else 'off'}, {count_parameters(model):,} parameters")
-    timed_tokens = cfg.num_samples * (cfg.max_new_tokens - GENERATE_WARMUP_TOKENS)
-    if timed_tokens > 0:
-        print(f"{timed_tokens:,} tokens in {timing['rest_s']:.2f} s: "
-              f"{timed_tokens / timing['rest_s']:,.1f} tokens/s ({settings}), after the first "
-              f"{GENERATE_WARMUP_TOKENS} of each sample (warm-up: {timing['warm_up_s']:.2f} s)",
-              flush=True)
-    else:
-        tokens = cfg.num_samples * cfg.max_new_tokens
-        print(f"{tokens:,} tokens in {timing['rest_s']:.2f} s, warm-up included ({settings})",
-              flush=True)
+    warm_up = GENERATE_WARMUP_TOKENS if "warm_up_s" in timing else 0
+    tokens = cfg.num_samples * (cfg.max_new_tokens - warm_up)
+    print(f"{tokens:,} tokens in {timing['timed_s']:.2f} s: {tokens / timing['timed_s']:,.1f} "
+          f"tokens/s (KV cache {'on' if cfg.kv_cache else 'off'}, compile "
+          f"{'on' if cfg.compile else 'off'}, {count_parameters(model):,} parameters; " + (
+              f"after {warm_up} warm-up tokens a sample, {timing['warm_up_s']:.2f} s)" if warm_up
+              else "warm-up included)"), flush=True)
     return texts
 
 
@@ -1938,9 +1806,6 @@ def main(cfg: TrainConfig | None, launch: Launch | None = None,
             check_config(cfg, launch.world_size)
             device = pick_device(cfg.device, launch, torch.cuda.device_count(),
                                  torch.backends.mps.is_available())
-            if cfg.fp8:
-                check_fp8_supported(device, torch.cuda.get_device_capability(device)
-                                    if device.startswith("cuda") else None)
     except ConfigError as error:
         problem, device = error, "cpu"
     init_distributed(launch, device)

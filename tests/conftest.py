@@ -54,9 +54,7 @@ def run_script(args, env=None, timeout=300, max_file_bytes=None):
 
 def files_limited_to(max_bytes):
     """A subprocess's preexec_fn: a write past max_bytes in any file fails in the kernel with EFBIG, as one on a full
-    disk fails with ENOSPC, and needs no mount. SIGXFSZ, which would kill the process, is ignored; exec keeps both.
-    matplotlib's font cache is made here first: under the limit, matplotlib would print that it cannot save it."""
-    import matplotlib.font_manager  # noqa: F401
+    disk fails with ENOSPC, and needs no mount. SIGXFSZ, which would kill the process, is ignored; exec keeps both."""
 
     def limit():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

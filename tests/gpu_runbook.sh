@@ -5,7 +5,6 @@
 #   bash tests/gpu_runbook.sh prepare  # here, with network or ../shared: fills .bench/ (git-ignored)
 #   bash tests/gpu_runbook.sh smoke    # on the GPU: the commands a user runs there, a PASS or FAIL line each
 #   bash tests/gpu_runbook.sh speed    # on the GPU: build-nanogpt vs ours, --no-compile, --recompute
-#   bash tests/gpu_runbook.sh fp8      # on the GPU: --fp8 speed, fp8 vs bf16 loss, --profile_steps, NCCL
 #   bash tests/gpu_runbook.sh modes    # on the GPU: HellaSwag speed, now and before
 #   bash tests/gpu_runbook.sh muon     # on the GPU: --optimizer muon against adamw, loss and step time
 #
@@ -25,8 +24,8 @@ cd "$(dirname "$0")/.."
 BENCH=.bench
 group=${1:-}
 case $group in
-  prepare | smoke | speed | fp8 | modes | muon) ;;
-  *) echo "usage: bash tests/gpu_runbook.sh prepare|smoke|speed|fp8|modes|muon"; exit 2 ;;
+  prepare | smoke | speed | modes | muon) ;;
+  *) echo "usage: bash tests/gpu_runbook.sh prepare|smoke|speed|modes|muon"; exit 2 ;;
 esac
 LOGDIR=${OUT:-$PWD/$BENCH/logs/$group}  # NAME.log of each run, and table.txt
 RUNDIR=$PWD/$BENCH/runs/$group  # train_gpt2.py's --log_dir of each run
@@ -37,7 +36,7 @@ DEADLINE=$((SECONDS + 470))  # every group ends within 8 minutes: a run gets at 
 BENCHMARK=(--data_dir "$BENCH/edu_fineweb10B" --max_steps 30 --warmup_steps 10 --eval_every 0 --sample_every 0
            --ckpt_every 0)
 SHORT=("${BENCHMARK[@]}" --max_steps 20)  # for the variants: 17 timed steps, to fit a group in one call
-# fp8 against bf16 over 300 steps: micro batch 16 x 1024, one micro-step a step (16,384 tokens), 4.9 passes over
+# A loss compared over 300 steps: micro batch 16 x 1024, one micro-step a step (16,384 tokens), 4.9 passes over
 # the 1.0M training tokens of the 700-document sample; validation on its first 112,000 tokens, never trained on.
 LOSS_RUN=(--data_dir "$BENCH/edu_fineweb10B" --micro_batch_size 16 --total_batch_size 16384 --max_steps 300
           --warmup_steps 30 --eval_every 100 --eval_steps 6 --sample_every 0 --ckpt_every 0)
@@ -57,8 +56,6 @@ prepare() {
   python3 fineweb.py --input ../shared/data/fineweb_10BT_sample.jsonl --out_dir "$BENCH/edu_fineweb10B" \
     --shard_size 112000 --overwrite
   git show 4b9a546:train_gpt2.py > "$BENCH/old/train_gpt2.py"  # HellaSwag scored one example at a time
-  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 -d "$BENCH/wheels" torchao==0.18.0
   python3 -m pip download -q --no-deps -d "$BENCH/wheels" blobfile  # for --export_hf; pure Python
   [ -f input.txt ] || cp "$BENCH/input.txt" .  # the made-up HellaSwag records' words
   python3 -c 'import json, sys; sys.path.insert(0, "tests"); from hellaswag_speed import made_up_records
@@ -193,7 +190,7 @@ if [ "$group" = prepare ]; then prepare; exit; fi
 rm -rf "$RUNDIR" && mkdir -p "$RUNDIR" "$LOGDIR"  # a clean slate: train_gpt2.py resumes from a --log_dir's checkpoint
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
 python3 -c 'import torch; print("torch", torch.__version__)'
-if [ -d "$BENCH/wheels" ]; then  # torchao for --fp8, blobfile for --export_hf: nothing can be fetched there
+if [ -d "$BENCH/wheels" ]; then  # blobfile, for --export_hf: nothing can be fetched there
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$BENCH"/wheels/*.whl &&
     export PYTHONPATH=/tmp/site
 fi
@@ -205,14 +202,6 @@ case $group in
     ours no-compile 70 "${SHORT[@]}" --no-compile
     ours recompute 100 "${SHORT[@]}" --recompute
     ours recompute-no-compile 70 "${SHORT[@]}" --recompute --no-compile ;;
-  fp8)
-    ours fp8 180 "${SHORT[@]}" --fp8
-    ours loss-bf16 150 "${LOSS_RUN[@]}"
-    ours loss-fp8 150 "${LOSS_RUN[@]}" --fp8
-    ours profile 120 "${SHORT[@]}" --profile_steps 3
-    # DDP's NCCL path, which no CPU test can take: one process under torchrun, 10 steps of 65,536 tokens
-    run nccl 120 python3 -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt2.py \
-      --log_dir "$RUNDIR/nccl" "${SHORT[@]}" --max_steps 10 --total_batch_size 65536 --no-compile "${extra[@]}" ;;
   modes)
     [ -f input.txt ] || cp "$BENCH/input.txt" .  # the made-up HellaSwag records' words
     for version in now:. 4b9a546:"$BENCH/old"; do

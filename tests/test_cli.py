@@ -41,11 +41,7 @@ def one_line_error(result):
         (["--dtype", "float8"], "error: argument --dtype: invalid choice: 'float8' (choose from 'auto', "
                                 "'float32', 'bfloat16', 'float16') (see --help)"),
         (["--max_steps", "ten"], "error: argument --max_steps: invalid int value: 'ten' (see --help)"),
-        (["--fp8"], "error: --fp8 needs an NVIDIA GPU with float8 matmuls (compute capability 8.9 or newer: Ada, "
-                    "Hopper); this run is on cpu: drop --fp8"),
         (["--learning_rate", "1"], "error: unrecognized arguments: --learning_rate 1 (see --help)"),
-        (["--profile_steps", "17"],
-         "error: --profile_steps 17 needs 21 steps (3 warm-up, 1 for the profiler): raise --max_steps to 21"),
     ],
 )
 def test_config_mistakes(args, message, capsys):
@@ -142,29 +138,33 @@ def test_importing_the_scripts_does_no_work_and_loads_only_what_every_run_needs(
     """Importing prints nothing, starts no process group, and leaves out what only some runs need: the optional
     packages and torch.distributed.optim (--shard_optimizer), which imports FSDP and DTensor: 1.8 s more before
     a mistake could be told."""
-    optional = ["torch.distributed.optim", "tiktoken", "transformers", "matplotlib", "torchao", "datasets", "pyarrow"]
+    optional = ["torch.distributed.optim", "tiktoken", "transformers", "datasets", "pyarrow"]
     result = run_python(["-c", "import sys, torch.distributed as dist, train_gpt2, fineweb; "
                          f"print(dist.is_initialized(), [m for m in {optional!r} if m in sys.modules])"])
     assert (result.returncode, result.stdout, result.stderr) == (0, "False []\n", "")
 
 
-def test_help_explains_every_flag_in_one_line_under_its_section():
-    """It was 157 lines in one flat list."""
-    result = run_script(["--help"])
+def test_help_explains_every_flag_under_its_section_within_the_terminal():
+    """It was 157 lines in one flat list; then 200 columns wide, which wrapped on an 80-column terminal."""
+    result = run_script(["--help"], env={"COLUMNS": "80"})
     assert result.returncode == 0
+    assert max(len(line) for line in result.stdout.splitlines()) <= 80
     sections = ["model", "data", "batch", "optimizer and schedule", "runtime", "weights and run modes",
                 "evaluation and logging", "checkpoints"]
-    found, flags = [], []
+    found, flags, helps = [], [], []
     for line in result.stdout.splitlines():
         if line.rstrip(":") in sections:
             found.append(line.rstrip(":"))
         elif line.startswith("  --"):
             flags.append((found[-1], line.split()[0].rstrip(",")))
-            assert "(default" in line, line  # the help is on the flag's own line
+            helps.append(line)
+        elif line.startswith("    ") and helps:  # the help's next line
+            helps[-1] += " " + line.strip()
     assert found == sections
     assert [name for _, name in flags] == [f"--{field.name}" for field in dataclasses.fields(t.TrainConfig)]
+    assert all("(default" in text for text in helps), helps
     assert ("batch", "--micro_batch_size") in flags and ("model", "--dropout") in flags
-    assert "for MFU (989: H100 SXM bf16)" in result.stdout
+    assert any("for MFU (989: H100 SXM bf16)" in text for text in helps)
 
 
 @pytest.mark.parametrize(
@@ -174,9 +174,6 @@ def test_help_explains_every_flag_in_one_line_under_its_section():
         (["--n_layer", "0"], "--n_layer must be at least 1, got 0"),
         (["--eval_every", "1", "--eval_steps", "0"], "--eval_steps must be at least 1, got 0"),
         (["--loss_chunk_size", "-1"], "--loss_chunk_size -1: must be 0 or more"),
-        (["--profile_steps", "2", "--stop_after_steps", "5"],
-         "--profile_steps 2 needs 6 steps (3 warm-up, 1 for the profiler): raise --stop_after_steps to 6"),
-        (["--profile_steps", "-1"], "--profile_steps -1: must be 0 or more"),
         (["--keep_ckpts", "-1", "--eval_every", "-250"], "--eval_every -250, --keep_ckpts -1: must be 0 or more"),
         (["--sample_every", "-5", "--hellaswag_every", "-1"],
          "--sample_every -5, --hellaswag_every -1: must be 0 or more"),

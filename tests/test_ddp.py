@@ -75,7 +75,7 @@ def on_two_nodes(args, timeout=120, node_extra_args=([], [])):
     finally:
         for node in nodes:
             node.kill()
-    return [(node.returncode, *output) for node, output in zip(nodes, outputs)]
+    return [(node.returncode, *output) for node, output in zip(nodes, outputs, strict=True)]
 
 
 def test_two_processes_on_one_machine_or_two_train_exactly_like_one(tmp_path):
@@ -189,7 +189,7 @@ def test_a_token_beyond_the_vocabulary_on_one_rank_stops_every_rank_with_one_lin
 def test_ranks_that_read_different_data_are_refused_with_one_line(tmp_path):
     """Each machine has its own input.txt; rank 1's lacks the last lines."""
     text, folders = SHAKESPEARE.read_text(), own_folders(tmp_path)
-    for folder, copy in zip(folders, [text, text[:-4000]]):
+    for folder, copy in zip(folders, [text, text[:-4000]], strict=True):
         (folder / "input.txt").write_text(copy)
     flags = TINY_ARGS[: TINY_ARGS.index("--text_file")] + ["--text_file", "input.txt", "--eval_every", "5"]
     result = torchrun(2, [ENTRY, "own_folders", str(tmp_path)] + flags + ["--log_dir", str(tmp_path / "log")])
@@ -239,7 +239,7 @@ def test_compiled_ddp_with_accumulation_trains_like_one_eager_process(tmp_path):
     assert "compile on), 2 process(es)" in two.stdout
     eager = [r["train_loss"] for r in records(tmp_path / "one") if "train_loss" in r]
     compiled = [r["train_loss"] for r in records(tmp_path / "two") if "train_loss" in r]
-    assert len(eager) == 3 and max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4
+    assert len(eager) == 3 and max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-4
 
 
 def test_recompute_under_ddp_trains_like_one_plain_process(tmp_path):
@@ -252,7 +252,7 @@ def test_recompute_under_ddp_trains_like_one_plain_process(tmp_path):
     for key in ("train_loss", "grad_norm"):
         expected = [r[key] for r in records(tmp_path / "one") if key in r]
         recomputed = [r[key] for r in records(tmp_path / "two") if key in r]
-        assert len(expected) == 3 and max(abs(a - b) for a, b in zip(expected, recomputed)) < 1e-5, key
+        assert len(expected) == 3 and max(abs(a - b) for a, b in zip(expected, recomputed, strict=True)) < 1e-5, key
 
 
 def test_a_loss_that_turns_nan_on_one_rank_stops_every_rank_with_one_line(tmp_path):

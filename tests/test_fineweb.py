@@ -95,7 +95,7 @@ def test_the_corpus_gives_exactly_its_tokens_in_full_shards(corpus_shards):
 def test_shards_concatenated_equal_each_document_tokenized_alone(corpus_shards):
     out_dir, _ = corpus_shards
     assert np.concatenate(read_shards(out_dir)).tolist() == [t for document in document_tokens() for t in document]
-    assert [1] * 7 == [len(document) for text, document in zip(corpus_texts(), document_tokens()) if not text]
+    assert [1] * 7 == [len(document) for text, document in zip(corpus_texts(), document_tokens(), strict=True) if not text]
     assert len(document_tokens()[120]) > 300_000  # spans shards 0 to 1, and 1 to 2
 
 

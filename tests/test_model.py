@@ -1,6 +1,5 @@
 import contextlib
 import math
-import sys
 
 import pytest
 import torch
@@ -121,16 +120,12 @@ def test_the_loss_is_chunked_unless_compile_fuses_it(flags, expected):
     assert t.build_model(cfg, "cpu").loss_chunk_size == expected
 
 
-@pytest.mark.parametrize("chunk_size, fp8, recompute", [(0, False, False), (5, False, False), (0, True, False),
-                                                       (0, False, True), (0, True, True)])
-def test_the_training_forward_is_one_graph_for_torch_compile(chunk_size, fp8, recompute):
+@pytest.mark.parametrize("chunk_size, recompute", [(0, False), (5, False), (0, True)])
+def test_the_training_forward_is_one_graph_for_torch_compile(chunk_size, recompute):
     """A graph break would split what compile fuses on a GPU; fullgraph=True turns any break into an error.
     The eager backend runs dynamo's capture without generating kernels, so the loss is the eager one exactly."""
     model = tiny_model(vocab_size=300)
     model.loss_chunk_size, model.recompute_blocks = chunk_size, recompute
-    if fp8:
-        pytest.importorskip("torchao")
-        t.convert_to_float8(model)
     x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         captured = torch.compile(model, fullgraph=True, backend="eager")(x, y)
@@ -166,49 +161,6 @@ def test_recompute_runs_each_block_again_in_backward_for_the_same_loss_and_gradi
     with torch.no_grad():
         model(x, y)
     assert len(block_calls) == 2
-
-
-def test_fp8_is_refused_without_a_float8_gpu():
-    with pytest.raises(t.ConfigError, match=r"^--fp8 needs an NVIDIA GPU with float8 matmuls \(compute capability 8.9 "
-                                            r"or newer: Ada, Hopper\); this run is on cpu: drop --fp8$"):
-        t.check_fp8_supported("cpu", None)
-    with pytest.raises(t.ConfigError, match="this run is on cuda:0"):
-        t.check_fp8_supported("cuda:0", (8, 0))  # A100: bf16 only
-    t.check_fp8_supported("cuda:0", (9, 0))  # H100
-
-
-def test_fp8_without_torchao_is_one_line(monkeypatch):
-    # None in sys.modules makes the import raise ModuleNotFoundError, as on a machine without torchao
-    monkeypatch.setitem(sys.modules, "torchao.float8", None)
-    with pytest.raises(t.ConfigError, match=r"^--fp8 needs torchao: pip install torchao$"):
-        t.convert_to_float8(tiny_model(vocab_size=64))
-
-
-def test_fp8_conversion_swaps_the_block_linears_and_still_trains():
-    """The float8 path as --fp8 takes it on a GPU; torchao's Float8Linear also runs (emulated) on CPU."""
-    pytest.importorskip("torchao")
-    model, reference = tiny_model(vocab_size=64), tiny_model(vocab_size=64)
-    t.convert_to_float8(model)
-    converted = {name for name, module in model.named_modules() if type(module).__name__ == "Float8Linear"}
-    assert converted == {f"transformer.h.{i}.{m}" for i in range(2) for m in ("attn.c_attn", "attn.c_proj",
-                                                                            "mlp.c_fc", "mlp.c_proj")}
-    assert type(model.lm_head) is torch.nn.Linear and model.lm_head.weight is model.transformer.wte.weight
-    assert model.state_dict().keys() == reference.state_dict().keys()  # checkpoints keep plain names
-    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
-    loss = model(x, y)
-    loss.backward()
-    assert abs(loss.item() - reference(x, y).item()) < 0.05  # float8 rounding, same function
-    assert model.transformer.h[0].mlp.c_fc.weight.grad.abs().sum() > 0
-    # --optimizer muon: the Float8Linear weights are plain matrices to Muon, updated as unconverted ones would be
-    _, muon = t.configure_optimizer(model, t.parse_args(["--optimizer", "muon"]), fused=False)
-    assert len(muon.param_groups[0]["params"]) == len(converted)
-    for module in converted:
-        reference.get_submodule(module).weight.grad = model.get_submodule(module).weight.grad
-    _, reference_muon = t.configure_optimizer(reference, t.parse_args(["--optimizer", "muon"]), fused=False)
-    muon.step()
-    reference_muon.step()
-    for module in converted:
-        assert torch.equal(model.get_submodule(module).weight, reference.get_submodule(module).weight), module
 
 
 def test_dropout_is_where_gpt2_had_it_and_only_in_training(monkeypatch):

@@ -105,7 +105,7 @@ def test_fused_adamw_the_cuda_default_steps_like_the_plain_one(one_thread):
             optimizer.step()
         results.append([p.detach().clone() for p in model.parameters()])
     plain, fused = results
-    assert all((p - p0).abs().max() > 1e-4 for p, p0 in zip(plain, initial))  # every tensor moved
+    assert all((p - p0).abs().max() > 1e-4 for p, p0 in zip(plain, initial, strict=True))  # every tensor moved
     # the kernels order their float32 arithmetic differently: 1.3e-6 apart was seen (2 threads, a loaded machine);
     # a wrong update would be off by about a step, lr 6e-4
-    assert max((a - b).abs().max().item() for a, b in zip(plain, fused)) < 1e-5
+    assert max((a - b).abs().max().item() for a, b in zip(plain, fused, strict=True)) < 1e-5

@@ -1,5 +1,4 @@
 import contextlib
-import gzip
 import json
 import math
 
@@ -142,7 +141,7 @@ def test_reduced_precision_paths_track_float32(tmp_path, dtype, tolerance):
     reference = train_losses(run(["--max_steps", "5"], tmp_path, "fp32"))
     reduced = train_losses(run(["--max_steps", "5", "--dtype", dtype], tmp_path, dtype))
     assert reduced != reference  # autocast really ran
-    assert max(abs(a - b) for a, b in zip(reduced, reference)) < tolerance
+    assert max(abs(a - b) for a, b in zip(reduced, reference, strict=True)) < tolerance
 
 
 # compile's own fused loss, or chunks; with the blocks recomputed in backward; with Muon
@@ -151,32 +150,7 @@ def test_compiled_model_trains_like_the_eager_one(tmp_path, flags):
     """torch.compile is the CUDA default; inductor also compiles for CPU, so a GPU run finds no surprise."""
     eager = train_losses(run(["--max_steps", "3"] + flags, tmp_path, "eager"))
     compiled = train_losses(run(["--max_steps", "3", "--compile"] + flags, tmp_path, "compiled"))
-    assert max(abs(a - b) for a, b in zip(eager, compiled)) < 1e-4
-
-
-def test_profile_records_the_steps_after_warmup_and_leaves_them_out_of_the_summary(tmp_path, capsys):
-    result = run(["--max_steps", "7", "--profile_steps", "2"], tmp_path)
-    out = capsys.readouterr().out
-    trace_path = tmp_path / "log" / "profile_trace.json.gz"
-    assert f"profile of 2 step(s) written to {trace_path}" in out
-    assert "Self CPU time total" in out  # the table of the costliest operators
-    with gzip.open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
-    # steps 0-2 are not recorded, step 3 warms the profiler up, steps 4 and 5 are recorded
-    assert sorted(e["name"] for e in events if e.get("name", "").startswith("ProfilerStep")) == [
-        "ProfilerStep#4", "ProfilerStep#5"]
-    assert any(e.get("name") == "aten::mm" for e in events)
-    # timed: steps 0-6 less the 3 warm-up steps and the 3 profiled ones
-    assert result.records[-1]["summary"]["timed_steps"] == 1
-    assert len(train_losses(result)) == 7
-
-
-def test_a_resumed_run_too_short_to_profile_says_so(tmp_path, capsys):
-    run(["--max_steps", "6", "--stop_after_steps", "4"], tmp_path)
-    result = run(["--max_steps", "6", "--profile_steps", "1", "--resume", "auto"], tmp_path)
-    assert "warning: no profile: 2 steps are left after the checkpoint, fewer than the 5 that --profile_steps 1 " \
-           "needs" in capsys.readouterr().out
-    assert len(train_losses(result)) == 2 and not (tmp_path / "log" / "profile_trace.json.gz").exists()
+    assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-4
 
 
 def test_cuda_summary_has_mfu_and_both_memory_peaks(monkeypatch):
