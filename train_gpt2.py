@@ -292,7 +292,7 @@ class GPT(nn.Module):
 
     def hidden_states(self, idx, cache: KVCache | None = None, positions=None):
         """idx (B, T) at positions (T,) (default 0 to T - 1) -> (B, T, n_embd), before lm_head.
-        With a cache, the T tokens follow the tokens already in it."""
+        With a cache, their keys and values join it at those positions."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size "
