@@ -215,7 +215,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, cache: KVCache | None = None, layer: int = 0, positions=None):
+    def forward(self, x, cache: KVCache | None = None, layer=0, positions=None, visible=None):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
@@ -225,8 +225,6 @@ class CausalSelfAttention(nn.Module):
                                                dropout_p=self.dropout if self.training else 0.0)
         else:  # generating: the T new tokens at positions (T,) join the cache
             k, v = cache.update(layer, positions, k, v)
-            # (T, block_size): each query sees the keys up to its own position, never the unwritten
-            visible = positions[:, None] >= torch.arange(cache.block_size, device=x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
@@ -254,8 +252,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, cache: KVCache | None = None, layer: int = 0, positions=None):
-        x = x + self.attn(self.ln_1(x), cache, layer, positions)
+    def forward(self, x, cache: KVCache | None = None, layer=0, positions=None, visible=None):
+        x = x + self.attn(self.ln_1(x), cache, layer, positions, visible)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -299,13 +297,16 @@ class GPT(nn.Module):
                              f"{self.config.block_size}")
         if positions is None:
             positions = torch.arange(T, device=idx.device)
+        visible = None  # with a cache (T, block_size): a query sees the keys up to its position
+        if cache is not None:
+            visible = positions[:, None] >= torch.arange(cache.block_size, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
         for layer, block in enumerate(self.transformer.h):
             if self.recompute_blocks and cache is None and torch.is_grad_enabled():
                 # saves x alone for backward, and runs the block again there
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
             else:
-                x = block(x, cache, layer, positions)
+                x = block(x, cache, layer, positions, visible)
         return self.transformer.ln_f(x)
 
     def forward(self, idx, targets=None):
@@ -1573,8 +1574,8 @@ def record_step(line: str, default: int) -> int:
 
 class MetricsLog:
     """Rank 0 prints lines and appends JSON records to <log_dir>/metrics.jsonl; the other ranks are
-    silent. A failed write is kept as the problem that every rank stops on at
-    the end of the step (signalled_on_any_rank); nothing more is written."""
+    silent. A failed write is kept as the problem that every rank stops on at the end of the step
+    (signalled_on_any_rank); nothing more is written."""
 
     def __init__(self, log_dir: str, active: bool):
         self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
@@ -1665,11 +1666,12 @@ def generate_samples(cfg: TrainConfig, device: str) -> list[str]:
     texts = print_samples(model, gpt2_tokenizer(), cfg, device, autocast, bool(cfg.compile), timing)
     warm_up = GENERATE_WARMUP_TOKENS if "warm_up_s" in timing else 0
     tokens = cfg.num_samples * (cfg.max_new_tokens - warm_up)
+    untimed = (f"after {warm_up} warm-up tokens a sample, {timing['warm_up_s']:.2f} s" if warm_up
+               else "warm-up included")
     print(f"{tokens:,} tokens in {timing['timed_s']:.2f} s: {tokens / timing['timed_s']:,.1f} "
           f"tokens/s (KV cache {'on' if cfg.kv_cache else 'off'}, compile "
-          f"{'on' if cfg.compile else 'off'}, {count_parameters(model):,} parameters; " + (
-              f"after {warm_up} warm-up tokens a sample, {timing['warm_up_s']:.2f} s)" if warm_up
-              else "warm-up included)"), flush=True)
+          f"{'on' if cfg.compile else 'off'}, {count_parameters(model):,} parameters; {untimed})",
+          flush=True)
     return texts
 
 
