@@ -3,16 +3,17 @@
     python train_gpt2.py                                       # one device (CUDA, MPS or CPU)
     torchrun --standalone --nproc_per_node=8 train_gpt2.py     # one machine, 8 processes
 
-The recipe comes first (config, model, data, distributed setup, optimizer and schedule, the
-training loop, evaluation), then the plumbing a real run needs. README.md explains the flags.
+The recipe comes first (config to evaluation), then the plumbing a real run needs.
 """
 
 import argparse
 import contextlib
 import dataclasses
+import functools
 import datetime
 import glob
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -26,6 +27,7 @@ import time
 import typing
 import urllib.parse
 import urllib.request
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 TEXT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "input.txt")
@@ -99,15 +102,17 @@ class TrainConfig:
     eps: float = flag(1e-8, "AdamW epsilon")
     grad_clip: float = flag(1.0, "clip the global gradient norm to this; 0: off")
     device: str = flag("auto", "auto (cuda, mps, cpu), cpu, cuda, cuda:N or mps", section="runtime")
-    dtype: str = flag("auto", "autocast dtype (auto: bfloat16 on CUDA, else float32)",
-                      choices=["auto", "float32", "bfloat16", "float16"])
-    compile: bool | None = flag(None, "torch.compile (default: on for CUDA; off for --generate)")
+    dtype: str = flag("auto", "autocast dtype (auto: bfloat16 or, on older GPUs, float16; float32 "
+                      "off CUDA)", choices=["auto", "float32", "bfloat16", "float16"])
+    compile: bool | None = flag(None, "torch.compile (default: on for CUDA where Triton runs; off "
+                                      "for --generate)")
     loss_chunk_size: int | None = flag(None, "loss over slices of N tokens; 0: full logits "
                                              "(default: 0 with compile, else 8192)")
     recompute: bool = flag(False, "recompute each block's activations in backward (less memory)")
     shard_optimizer: bool = flag(False, "under torchrun, share the optimizer state out (ZeRO-1)")
     seed: int = flag(1337, "seed for initialisation, shuffling and sampling")
-    peak_tflops: float = flag(989.0, "one device's peak TFLOP/s, for MFU (989: H100 SXM bf16)")
+    peak_tflops: float | None = flag(None, "one device's peak TFLOP/s, for MFU (default: the "
+                                           "GPU's, from a table of common GPUs)")
     init_from: str = flag("", "start from gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint",
                           section="weights and run modes")
     eval_only: bool = flag(False, "print the val loss and HellaSwag accuracy, then exit")
@@ -126,6 +131,7 @@ class TrainConfig:
     hellaswag_every: int = flag(0, "HellaSwag accuracy every N steps and at the end; 0: never")
     hellaswag_path: str = flag("", "hellaswag_val.jsonl (default: downloaded once)")
     log_dir: str = flag("log", "folder for metrics.jsonl and checkpoints")
+    tensorboard: bool = flag(False, "also write the figures to --log_dir for TensorBoard")
     ckpt_every: int = flag(1000, "checkpoint every N steps and at the end; 0: never",
                            section="checkpoints")
     keep_ckpts: int = flag(2, "keep the N newest checkpoints; 0: all")
@@ -133,44 +139,42 @@ class TrainConfig:
     resume: str = flag("", "a checkpoint to continue from, or auto: the newest in --log_dir")
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
-    def error(self, message):  # argparse would print its usage and exit
-        raise ConfigError(f"{message} (see --help)")
-
-
-def parse_args(argv: list[str]) -> TrainConfig:
-    """Every TrainConfig field as a --flag. An --init_from checkpoint gives the batch shape and
-    evaluation length it was trained with, unless flags give them."""
-    parser = _OneLineErrorParser(
-        description="Pretrain GPT-2 (defaults: the 124M recipe on GPUs).", usage="%(prog)s [flags]",
-        formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=32))
-    for f in dataclasses.fields(TrainConfig):
-        if f.metadata["section"]:
-            group = parser.add_argument_group(f.metadata["section"])
-        help_text = f.metadata["help"]
-        if "(default" not in help_text:
-            help_text += f" (default: {f.default})"
-        if f.type in (bool, bool | None):
-            group.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=help_text)
-        else:  # int | None parses as int
-            value_type = [t for t in typing.get_args(f.type) if t is not type(None)] or [f.type]
-            group.add_argument(f"--{f.name}", type=value_type[0], default=argparse.SUPPRESS,
-                               help=help_text, choices=f.metadata["choices"],
-                               metavar=None if f.metadata["choices"] else value_type[0].__name__)
-    given = vars(parser.parse_args(argv))  # only the flags on the command line
-    cfg = TrainConfig(**given)
-    if os.path.isfile(cfg.init_from):
-        saved = checkpoint_config(cfg.init_from)
-        for name in ("seq_len", "micro_batch_size", "total_batch_size", "eval_steps"):
-            if name not in given and name in saved:
-                setattr(cfg, name, saved[name])
-    return cfg
-
-
 def model_shape(cfg: TrainConfig) -> tuple[int, int, int]:
     n_layer, n_head, n_embd = MODEL_SHAPES[cfg.model]
     return (cfg.n_layer or n_layer, cfg.n_head or n_head, cfg.n_embd or n_embd)
+
+
+def settle_defaults(cfg: TrainConfig, launch) -> tuple[TrainConfig, list[str]]:
+    """What a run does on this machine: cfg with every default that depends on the machine or on
+    other flags decided, and the lines that say why a GPU run leaves out part of the recipe."""
+    device = pick_device(cfg.device, launch, torch.cuda.device_count(),
+                         torch.backends.mps.is_available())
+    gpu = device.startswith("cuda")
+    card = torch.cuda.get_device_name(device) if gpu else ""
+    major, minor = torch.cuda.get_device_capability(device) if gpu else (0, 0)
+    blocker = gpu and compile_blocker(major, minor)
+    if gpu:
+        torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in float32
+    # bfloat16 arithmetic came with compute capability 8.0; older GPUs emulate it, slowly
+    bf16 = major >= 8 or torch.version.hip is not None
+    dtype = cfg.dtype if cfg.dtype != "auto" else "float32" if not gpu else \
+        "bfloat16" if bf16 else "float16"
+    if gpu and dtype == "bfloat16" and not bf16:
+        raise ConfigError(f"--dtype bfloat16: {card} (compute capability {major}.{minor}) has no "
+                          "bfloat16 arithmetic: use --dtype float16")
+    compile = cfg.compile if cfg.compile is not None else gpu and not blocker and not cfg.generate
+    if compile and blocker:
+        raise ConfigError(f"--compile cannot run on {card}: {blocker}; use --no-compile")
+    notes = [f"compile off: {blocker} ({COMPILE_GAIN})"] if cfg.compile is None and blocker \
+        and not cfg.generate else []
+    peaks = [peak for pattern, *peak in PEAK_TFLOPS if gpu and re.search(pattern, card)]
+    return dataclasses.replace(
+        cfg, device=device, dtype=dtype, compile=compile,
+        peak_tflops=cfg.peak_tflops or (peaks[0][dtype == "float32"] if peaks else None),
+        shuffle=cfg.shuffle if cfg.shuffle is not None else bool(cfg.data_dir),
+        # compile fuses the plain loss; without it the full float32 logits are the largest tensor
+        loss_chunk_size=cfg.loss_chunk_size if cfg.loss_chunk_size is not None
+        else 0 if compile else 8192), notes
 
 
 # ------------------------------------------------------------ model
@@ -184,27 +188,8 @@ class GPTConfig:
     block_size: int = 1024
     vocab_size: int = 50304
     dropout: float = 0.0
-
-
-class KVCache:
-    """Generation's keys and values, allocated once for all block_size positions, so that every
-    one-token step has the same shapes: an attention plan or a compiled step is made once, not
-    again for each length. keys[i], values[i]: layer i's (B, n_head, block_size, head_dim)."""
-
-    def __init__(self, n_layer: int, block_size: int):
-        self.keys, self.values, self.block_size = [None] * n_layer, [None] * n_layer, block_size
-
-    def update(self, layer: int, positions, k, v):
-        """Write k, v (B, n_head, T, head_dim) at positions (T,); return the layer's whole cache."""
-        if self.keys[layer] is None:  # the first call, in the dtype autocast gives k and v
-            shape = (*k.shape[:2], self.block_size, k.size(3))
-            self.keys[layer], self.values[layer] = k.new_zeros(shape), v.new_zeros(shape)
-            for buffer in (self.keys[layer], self.values[layer]):
-                # a compiled step writes into it in place: CUDA graphs then keep its address
-                torch._dynamo.mark_static_address(buffer, guard=False)
-        self.keys[layer].index_copy_(2, positions, k)
-        self.values[layer].index_copy_(2, positions, v)
-        return self.keys[layer], self.values[layer]
+    loss_chunk_size: int = 0  # tokens per slice of the training loss; 0: the plain loss
+    recompute: bool = False  # run each block again in backward instead of keeping its activations
 
 
 class CausalSelfAttention(nn.Module):
@@ -215,17 +200,17 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, cache: KVCache | None = None, layer=0, positions=None, visible=None):
+    def forward(self, x, cache: tuple | None = None):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.dropout if self.training else 0.0)
-        else:  # generating: the T new tokens at positions (T,) join the cache
-            k, v = cache.update(layer, positions, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        mask = None
+        if cache is not None:  # generating: attend over the layer's cache, the new k, v written in
+            keys, values, positions, mask = cache  # KVCache.at's
+            k, v = keys.index_copy_(2, positions, k), values.index_copy_(2, positions, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None,
+                                           dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
 
@@ -252,8 +237,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, cache: KVCache | None = None, layer=0, positions=None, visible=None):
-        x = x + self.attn(self.ln_1(x), cache, layer, positions, visible)
+    def forward(self, x, cache: tuple | None = None):
+        x = x + self.attn(self.ln_1(x), cache)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -272,8 +257,6 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.transformer.wte.weight = self.lm_head.weight  # tied input and output embeddings
-        self.loss_chunk_size = 0  # tokens per slice of the training loss; 0: full logits
-        self.recompute_blocks = False  # --recompute
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -288,38 +271,62 @@ class GPT(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def hidden_states(self, idx, cache: KVCache | None = None, positions=None):
-        """idx (B, T) at positions (T,) (default 0 to T - 1) -> (B, T, n_embd), before lm_head.
-        With a cache, their keys and values join it at those positions."""
+    def hidden_states(self, idx, cache: "KVCache | None" = None, positions=None):
+        """idx (B, T) at positions (T,) (default 0 to T - 1) -> (B, T, n_embd), before lm_head."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size "
                              f"{self.config.block_size}")
         if positions is None:
             positions = torch.arange(T, device=idx.device)
-        visible = None  # with a cache (T, block_size): a query sees the keys up to its position
-        if cache is not None:
-            visible = positions[:, None] >= torch.arange(cache.block_size, device=idx.device)
+        layer_caches = cache.at(positions) if cache is not None else [None] * self.config.n_layer
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
-        for layer, block in enumerate(self.transformer.h):
-            if self.recompute_blocks and cache is None and torch.is_grad_enabled():
+        for block, layer_cache in zip(self.transformer.h, layer_caches, strict=True):
+            if self.config.recompute and torch.is_grad_enabled():
                 # saves x alone for backward, and runs the block again there
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
             else:
-                x = block(x, cache, layer, positions, visible)
+                x = block(x, layer_cache)
         return self.transformer.ln_f(x)
 
     def forward(self, idx, targets=None):
         """Logits (B, T, vocab_size) for idx (B, T), or the mean loss if targets (B, T) is given."""
-        B, T = idx.shape
         x = self.hidden_states(idx)
         if targets is None:
             return self.lm_head(x)
-        if self.loss_chunk_size:
-            return chunked_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.view(-1),
-                                         self.loss_chunk_size)
-        logits = self.lm_head(x)  # (B, T, vocab_size)
-        return F.cross_entropy(logits.float().view(B * T, -1), targets.view(-1))
+        if not self.config.loss_chunk_size:
+            logits = self.lm_head(x)  # (B, T, vocab_size)
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        # the same loss without the whole logits (a 64 x 1024 micro batch's float32 logits take
+        # 12.3 GiB): the default without compile, which fuses the plain loss instead
+        return chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                     self.config.loss_chunk_size)
+
+
+# ------------------------------------------------------------ generation's key/value cache
+
+
+class KVCache:
+    """keys, values (n_layer, B, n_head, block_size, head_dim), allocated once for every position:
+    each one-token step has the same shapes: an attention plan or a compiled step is made once."""
+
+    def __init__(self, config: GPTConfig, batch_size: int, dtype: torch.dtype, device: str):
+        head_dim = config.n_embd // config.n_head
+        shape = (config.n_layer, batch_size, config.n_head, config.block_size, head_dim)
+        # zeros, not empty: a masked position weighs 0 in attention, and 0 x NaN is NaN
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros_like(self.keys)
+        for buffer in (self.keys, self.values):  # written in place: CUDA graphs keep its address
+            torch._dynamo.mark_static_address(buffer, guard=False)
+
+    def at(self, positions) -> list[tuple]:
+        """(keys, values, positions, visible) a layer; visible (T, block_size): up to each's own."""
+        visible = positions[:, None] >= torch.arange(self.keys.size(3), device=positions.device)
+        return [(keys, values, positions, visible)
+                for keys, values in zip(self.keys, self.values, strict=True)]
+
+
+# ------------------------------------------------------------ the chunked loss: no full logits
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -389,98 +396,13 @@ def model_flops_utilization(flops_per_step: float, step_ms: float, peak_tflops: 
 # ------------------------------------------------------------ data
 
 
-def gpt2_tokenizer():
-    import tiktoken  # here, so that importing this file does no work
-
-    try:
-        return tiktoken.get_encoding("gpt2")
-    except (OSError, ValueError) as error:  # offline with nothing cached; a damaged file
-        raise ConfigError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
-                          "downloads its two files once; connect to the network, or set "
-                          "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
-
-
-def read_text_tokens(path: str) -> np.ndarray:
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as error:
-        reason = (error.strerror if isinstance(error, OSError)
-                  else f"not UTF-8: {error.reason} at byte {error.start}")
-        raise ConfigError(f"cannot read --text_file {path} ({reason}): give a UTF-8 text file") \
-            from None
-    return np.array(gpt2_tokenizer().encode_ordinary(text), dtype=np.uint16)
-
-
-def find_shards(data_dir: str, split: str) -> list[str]:
-    if not os.path.isdir(data_dir):
-        raise ConfigError(f"--data_dir {data_dir} is not a folder: run fineweb.py to make shards, "
-                          "or fix the path")
-    if os.path.exists(os.path.join(data_dir, "INCOMPLETE")):  # fineweb.py's, until all are in
-        raise ConfigError(f"--data_dir {data_dir} is incomplete (fineweb.py's INCOMPLETE file is "
-                          "there): wait for fineweb.py, or rerun it with --resume")
-    paths = sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.npy")))
-    if not paths:
-        raise ConfigError(f"no {split} shards (*_{split}_*.npy) in --data_dir {data_dir}: "
-                          "run fineweb.py to make them")
-    return paths
-
-
-def open_shard(path: str) -> np.ndarray:
-    """Memory-mapped: a batch reads the pages it touches, never the whole shard into RAM."""
-    try:
-        tokens = np.load(path, mmap_mode="r")
-    except OSError as error:  # a folder, no permission, a disk error
-        raise ConfigError(f"cannot read shard {path} ({error.strerror or error}): check the file") \
-            from None
-    except (ValueError, EOFError):  # no .npy header: numpy calls it "pickled data"
-        raise ConfigError(f"cannot read shard {path}: it is not a .npy file (empty, cut short or "
-                          "another format): delete it and rerun fineweb.py") from None
-    if tokens.dtype != np.uint16 or tokens.ndim != 1 or len(tokens) < 1:
-        raise ConfigError(f"shard {path} holds {tokens.dtype} of shape {tokens.shape}, not a 1-D "
-                          "uint16 array of tokens: rerun fineweb.py")
-    return tokens
-
-
-class TokenStream:
-    """Token arrays (memory-mapped shards, or one in-memory array) read as one sequence."""
-
-    def __init__(self, arrays: list[np.ndarray], names: list[str] | None = None):
-        self.arrays, self.names = arrays, names or ["the text"] * len(arrays)
-        self.starts = np.cumsum([0] + [len(a) for a in arrays])  # first global index of each
-        self.num_tokens = int(self.starts[-1])
-
-    def read(self, start: int, count: int) -> np.ndarray:
-        pieces, end = [], start + count
-        index = int(np.searchsorted(self.starts, start, side="right")) - 1
-        while start < end:
-            local = start - self.starts[index]
-            pieces.append(self.arrays[index][local : local + end - start])
-            start += len(pieces[-1])
-            index += 1
-        return np.concatenate(pieces).astype(np.int64)
-
-    def name_at(self, position: int) -> str:
-        return self.names[int(np.searchsorted(self.starts, position, side="right")) - 1]
-
-
-def load_token_streams(cfg: TrainConfig) -> tuple[TokenStream, TokenStream]:
-    """(train, val): the shards in --data_dir, or the text file split 90/10."""
-    if cfg.data_dir:
-        paths = [find_shards(cfg.data_dir, split) for split in ("train", "val")]
-        return tuple(TokenStream([open_shard(path) for path in group], group) for group in paths)
-    tokens = read_text_tokens(cfg.text_file or TEXT_FILE)
-    split = int(0.9 * len(tokens))
-    return TokenStream([tokens[:split]]), TokenStream([tokens[split:]])
-
-
 class DataLoader:
     """(B, T) batches of windows of T + 1 tokens (x = window[:-1], y = window[1:]); window k starts
-    at token k*T. The position is one number, the windows all ranks consumed: rank r of W reads the
-    B from position + r*B, and all advance W*B. So a checkpoint resumes at any world size. With
-    shuffle each epoch visits the windows in a permutation drawn from (seed, epoch) alone."""
+    at token k*T. The position is one number: rank r of W reads the B windows from position + r*B,
+    all advance W*B, so a checkpoint resumes at any world size. Shuffled, each epoch visits the
+    windows in a permutation drawn from (seed, epoch) alone."""
 
-    def __init__(self, stream: TokenStream, batch_size: int, seq_len: int, rank: int,
+    def __init__(self, stream: "TokenStream", batch_size: int, seq_len: int, rank: int,
                  world_size: int, shuffle: bool, seed: int):
         self.num_windows = max(0, stream.num_tokens - 1) // seq_len
         self.stream, self.batch_size, self.seq_len = stream, batch_size, seq_len
@@ -580,8 +502,7 @@ def pick_device(requested: str, launch: Launch, gpu_count: int, mps_available: b
 
 
 def init_distributed(launch: Launch, device: str) -> None:
-    """Under torchrun join the process group: gloo for CPU tensors (every rank's problems are
-    gathered there, whatever its device), NCCL for CUDA ones."""
+    """Under torchrun join the process group: gloo for CPU tensors (problems), NCCL for CUDA's."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # no stray context on GPU 0
     if launch.torchrun:
@@ -669,7 +590,7 @@ def forward_backward(model, loader: DataLoader, accum_steps: int, device: str, a
                      sync_last_only: bool) -> torch.Tensor:
     """Accumulate one step's mean gradient; returns this rank's mean loss. sync_last_only: DDP
     all-reduces the summed gradients once, in the last micro-step's backward."""
-    loss_sum = torch.zeros((), device=device)
+    step_loss = torch.zeros((), device=device)
     for micro_step in range(accum_steps):
         x, y = (to_device(batch, device) for batch in loader.next_batch())
         skip_sync = sync_last_only and micro_step < accum_steps - 1
@@ -677,8 +598,8 @@ def forward_backward(model, loader: DataLoader, accum_steps: int, device: str, a
             with autocast():
                 loss = model(x, y) / accum_steps  # the step's loss: the mean over micro-steps
             scaler.scale(loss).backward()
-        loss_sum += loss.detach()
-    return loss_sum
+        step_loss += loss.detach()
+    return step_loss
 
 
 def due(every: int, steps_done: int, last_step: bool) -> bool:
@@ -691,32 +612,15 @@ class TrainResult:
     records: list[dict]  # what rank 0 logged; empty on other ranks
 
 
-def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSignal") -> TrainResult:
-    log = MetricsLog(cfg.log_dir, active=launch.rank == 0)
-    run = prepare_training(cfg, launch, device, log)  # data, model, checkpoint: all ranks agree
-    raw_model, train_loader, val_loader = run.model, run.train_loader, run.val_loader
-    device_type, W = device.split(":")[0], launch.world_size
-    dtype, autocast = precision(cfg, device_type)
-    model = torch.compile(raw_model) if compile_enabled(cfg, device) else raw_model
-    if launch.torchrun:  # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets
-        device_ids = [torch.device(device).index] if device_type == "cuda" else None
-        model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
-    scaler = torch.amp.GradScaler(device_type, enabled=dtype == torch.float16)  # float16 only
-    sharded = cfg.shard_optimizer and W > 1
-    optimizers = configure_optimizer(raw_model, cfg, fused=device_type == "cuda", sharded=sharded)
-    torch.manual_seed(cfg.seed + launch.rank)  # dropout: each rank its own masks
-    start_step = restore_checkpoint(run.checkpoint, cfg, raw_model, optimizers, scaler,
-                                    train_loader, device, log)
-    accum_steps = grad_accum_steps(cfg, W)
-    flops_per_step = (flops_per_token(raw_model.config, count_parameters(raw_model), cfg.seq_len)
-                      * cfg.total_batch_size if device_type == "cuda" else None)
-    log.say(f"device {device} ({str(dtype).removeprefix('torch.')}, compile "
-            f"{'on' if compile_enabled(cfg, device) else 'off'}), {W} process(es); "
-            f"{count_parameters(raw_model):,} parameters; {cfg.total_batch_size:,} tokens per step "
-            f"= {accum_steps} micro-steps x {W} process(es) x {cfg.micro_batch_size} x "
-            f"{cfg.seq_len}; {'optimizer state sharded over the processes; ' if sharded else ''}"
-            f"{train_loader.stream.num_tokens:,} train tokens")
-    step_ms, epoch = [], train_loader.epoch
+def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict,
+          notes: list[str]) -> TrainResult:
+    log = MetricsLog(cfg.log_dir, launch.rank == 0, cfg.tensorboard)
+    # model: compiled and DDP-wrapped where they are on, for forward and backward; raw_model: the
+    # plain one, its weights for clipping, samples and checkpoints
+    (model, raw_model, train_loader, val_loader, optimizers, scaler, autocast, start_step,
+     accum_steps, flops_per_step, hellaswag, tokenizer) = set_up_training(cfg, launch, device, log,
+                                                                          notes)
+    step_ms, epoch, W = [], train_loader.epoch, launch.world_size
 
     for step in range(start_step, cfg.max_steps):
         started = time.perf_counter()
@@ -738,8 +642,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
 
         # the rest is bookkeeping: log, evaluate, sample, checkpoint
         step_ms.append(elapsed_ms)
-        mfu = flops_per_step and model_flops_utilization(flops_per_step, elapsed_ms,
-                                                         cfg.peak_tflops, W)
+        mfu = cfg.peak_tflops and model_flops_utilization(flops_per_step, elapsed_ms,
+                                                          cfg.peak_tflops, W)
         log.train_step(step, cfg, loss, lr, grad_norm, elapsed_ms, mfu)
         # every rank holds the same averaged loss and gradients: if one stops here, all do
         check_step_finite(step, loss, grad_norm, scaler.is_enabled(), cfg.log_dir)
@@ -749,27 +653,25 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
                       f"{epoch} begins: all {train_loader.num_windows:,} training windows were "
                       f"used, starting again{' in a new order' if train_loader.shuffle else ''}")
         steps_done, last_step = step + 1, step + 1 == cfg.max_steps
-        evaluate = due(cfg.eval_every, steps_done, last_step)
-        score_hellaswag = due(cfg.hellaswag_every, steps_done, last_step)
-        if evaluate:
-            val_loss = estimate_val_loss(model, val_loader, cfg.eval_steps, accum_steps, device,
-                                         autocast, launch)
+        if due(cfg.eval_every, steps_done, last_step):
+            val_loss = estimate_val_loss(model, val_loader, cfg.eval_steps, accum_steps,
+                                         device, autocast, launch)
             log.write({"step": step, "val_loss": val_loss},
                       f"step {step:5d}/{cfg.max_steps} | val loss {val_loss:.6f}")
-        if score_hellaswag:
-            scores = evaluate_hellaswag(raw_model, run.hellaswag, device, autocast, launch)
+        if due(cfg.hellaswag_every, steps_done, last_step):
+            scores = evaluate_hellaswag(raw_model, hellaswag, device, autocast, launch)
             log.write({"step": step, **scores}, f"step {step:5d}/{cfg.max_steps} | HellaSwag "
                       f"acc_norm {scores['hellaswag_acc_norm']:.4f} (acc "
                       f"{scores['hellaswag_acc']:.4f})")
         if launch.rank == 0 and due(cfg.sample_every, steps_done, last_step):
-            print_samples(raw_model, run.tokenizer, cfg, device, autocast)
+            print_samples(raw_model, tokenizer, cfg, device, autocast)
 
-        stop = signalled_on_any_rank(stop_signal.requested, [train_loader, val_loader, log],
+        stop = stop_or_fail_together(stop_signal["requested"], [train_loader, val_loader, log],
                                      launch, device)
         pause = not last_step and steps_done - start_step == cfg.stop_after_steps > 0
         if stop or pause or due(cfg.ckpt_every, steps_done, last_step):
             write_checkpoint(cfg, launch, device, raw_model, optimizers, scaler, train_loader,
-                             steps_done, sharded)
+                             steps_done)
         if stop or pause:
             reason = "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}"
             log.say(f"stopped by {reason} after step {step}, checkpoint {cfg.log_dir}/ckpt_"
@@ -781,9 +683,9 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
         log.say(f"nothing to train: the checkpoint is at step {start_step} of --max_steps "
                 f"{cfg.max_steps}")
     else:
-        summary = step_summary(step_ms, cfg.total_batch_size, flops_per_step, cfg, device_type, W)
+        summary = step_summary(step_ms, cfg.total_batch_size, flops_per_step, cfg, device, W)
         log.write({"summary": summary}, summary_line(summary, cfg.peak_tflops))
-    signalled_on_any_rank(False, [log], launch, device)  # stops every rank if it was not written
+    stop_or_fail_together(False, [log], launch, device)  # stops every rank if it was not written
     return TrainResult(raw_model, log.records)
 
 
@@ -793,8 +695,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: "StopSigna
 @torch.no_grad()
 def estimate_val_loss(model, loader: DataLoader, eval_steps: int, accum_steps: int, device: str,
                       autocast, launch: Launch) -> float:
-    """Mean loss over the first eval_steps validation steps: the same tokens every time, for any
-    process count."""
+    """Mean loss over the first eval_steps validation steps: the same tokens every time."""
     model.eval()
     loader.windows_consumed = 0
     step_losses = torch.zeros(eval_steps, device=device)
@@ -820,6 +721,18 @@ def next_token(model: GPT, idx, cache: KVCache | None, positions, noise, tempera
 
 # left out of --generate's tokens/s: the prompt's pass, the step's compile and CUDA graph record
 GENERATE_WARMUP_TOKENS = 3
+# a compiled step's cache, kept with its model: a new one would be a new CUDA graph to record
+COMPILED_STEP_CACHES = weakref.WeakKeyDictionary()
+
+
+def generation_cache(model: GPT, batch_size: int, dtype, device: str, keep: bool) -> KVCache:
+    """A new cache, or with keep the model's kept one where it has this batch size and dtype."""
+    cache = COMPILED_STEP_CACHES.get(model) if keep else None
+    if cache is None or (cache.keys.size(1), cache.keys.dtype) != (batch_size, dtype):
+        cache = KVCache(model.config, batch_size, dtype, device)
+    if keep:
+        COMPILED_STEP_CACHES[model] = cache
+    return cache
 
 
 @torch.no_grad()
@@ -828,9 +741,8 @@ def generate(model: GPT, prompt_tokens: list[int], num_samples: int, max_new_tok
              use_cache: bool = True, compile_step: bool = False,
              timing: dict | None = None) -> list[list[int]]:
     """Sample continuations with a private generator (the training RNG is untouched); an empty
-    prompt starts from <|endoftext|>, as GPT-2's samples did. With the cache each token after the
-    prompt's pass is one position, until the text outgrows block_size; then, as without it, each
-    rereads the last block_size. The tokens come back once, at the end: nothing waits between."""
+    prompt starts from <|endoftext|>, as GPT-2's did. Past block_size, each token rereads the last
+    block_size, with the cache or without. The tokens come back once: nothing waits between."""
     model.eval()
     context, block_size = prompt_tokens or [END_OF_TEXT], model.config.block_size
     tokens = torch.zeros(num_samples, len(context) + max_new_tokens, dtype=torch.long,
@@ -838,30 +750,36 @@ def generate(model: GPT, prompt_tokens: list[int], num_samples: int, max_new_tok
     tokens[:, : len(context)] = torch.tensor(context)
     generator = torch.Generator(device=device).manual_seed(seed)
     top_k = min(top_k, model.config.vocab_size, GPT2_VOCAB_SIZE)
-    cache = KVCache(model.config.n_layer, block_size) if use_cache else None
     position = torch.tensor([len(context)], device=device)  # the one-token step's: +1 in place
-    step = next_token  # compiled: once for all lengths, with CUDA graphs on CUDA
+    step = next_token  # compiled: once for all lengths and calls, with CUDA graphs on CUDA
     if compile_step:
         step = torch.compile(next_token, fullgraph=True,
                              mode="reduce-overhead" if device.startswith("cuda") else None)
-    started = time.perf_counter()
-    for length in range(len(context), tokens.size(1)):  # tokens so far
-        if timing is not None and length == len(context) + GENERATE_WARMUP_TOKENS:
-            tokens[0, length - 1].item()  # for the clock alone: waits for the warm-up to end
-            timing["warm_up_s"], started = time.perf_counter() - started, time.perf_counter()
-        noise = torch.empty(num_samples, top_k, device=device).exponential_(generator=generator)
-        with autocast():
+    with autocast():  # entered once: each weight is cast once a generation, not once a token
+        device_type = torch.device(device).type
+        dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
+                 else torch.get_default_dtype())  # the dtype of the keys and values
+        cache = generation_cache(model, num_samples, dtype, device, compile_step) if use_cache \
+            else None
+        started = time.perf_counter()
+        for length in range(len(context), tokens.size(1)):  # tokens so far
+            if timing is not None and length == len(context) + GENERATE_WARMUP_TOKENS:
+                tokens[0, length - 1].item()  # for the clock alone: waits for the warm-up to end
+                timing["warm_up_s"], started = time.perf_counter() - started, time.perf_counter()
+            noise = torch.empty(num_samples, top_k, device=device).exponential_(generator=generator)
             if cache is None or length > block_size:  # the last block_size tokens, all again
                 window = tokens[:, max(0, length - block_size) : length]
-                new = next_token(model, window, None, None, noise, temperature)
+                # cuDNN would plan its attention anew for each new length
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                  SDPBackend.MATH]):
+                    new = next_token(model, window, None, None, noise, temperature)
             elif length == len(context):  # the prompt fills the cache
                 new = next_token(model, tokens[:, :length], cache,
                                  torch.arange(length, device=device), noise, temperature)
-            else:  # the newest token alone
-                new = step(model, tokens[:, length - 1 : length], cache, position, noise,
-                           temperature)
+            else:  # the newest token alone: (B, 1), the same shape and strides every time
+                new = step(model, new, cache, position, noise, temperature)
                 position += 1
-        tokens[:, length] = new[:, 0]
+            tokens[:, length] = new[:, 0]
     model.train()
     samples = tokens[:, len(context) :].tolist()
     if timing is not None:
@@ -880,8 +798,273 @@ def print_samples(model: GPT, tokenizer, cfg: TrainConfig, device: str, autocast
     return texts
 
 
+@torch.no_grad()
+def hellaswag_choices(model: GPT, tokens: torch.Tensor, mask: torch.Tensor, autocast):
+    """Per example (rows 4i to 4i + 3): the ending of lowest summed loss (acc) and of lowest mean
+    loss per token (acc_norm), each (n,). Only positions that predict ending tokens get logits."""
+    rows, positions = mask[:, 1:].nonzero(as_tuple=True)  # position i predicts token i + 1
+    with autocast():
+        hidden = model.hidden_states(tokens)[rows, positions]  # (ending tokens, n_embd)
+        logits = model.lm_head(hidden)
+    losses = F.cross_entropy(logits.float(), tokens[rows, positions + 1], reduction="none")
+    summed = torch.zeros(len(tokens), device=tokens.device).index_add_(0, rows, losses).view(-1, 4)
+    mean = summed / mask[:, 1:].sum(dim=1).view(-1, 4)
+    return summed.argmin(dim=1), mean.argmin(dim=1)
+
+
+def evaluate_hellaswag(model: GPT, batches: list[tuple], device: str, autocast,
+                       launch: Launch) -> dict:
+    model.eval()
+    counts = torch.zeros(3, device=device)  # examples, right by summed loss, right by mean loss
+    for tokens, mask, labels in batches:
+        by_sum, by_mean = hellaswag_choices(model, to_device(tokens, device),
+                                            to_device(mask, device), autocast)
+        labels = to_device(labels, device)
+        counts[0] += len(labels)
+        counts[1:] += torch.stack([(by_sum == labels).sum(), (by_mean == labels).sum()])
+    model.train()
+    if launch.torchrun:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    total, right, right_norm = counts.tolist()
+    return {"hellaswag_examples": int(total), "hellaswag_acc": right / total,
+            "hellaswag_acc_norm": right_norm / total}
+
+
+# ------------------------------------------------------------ the command line and the machine
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print its usage and exit
+        raise ConfigError(f"{message} (see --help)")
+
+
+def parse_args(argv: list[str]) -> TrainConfig:
+    """Every TrainConfig field as a --flag; an --init_from checkpoint's batch shape unless given."""
+    parser = _OneLineErrorParser(
+        description="Pretrain GPT-2 (defaults: the 124M recipe on GPUs).", usage="%(prog)s [flags]",
+        formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=32))
+    for f in dataclasses.fields(TrainConfig):
+        if f.metadata["section"]:
+            group = parser.add_argument_group(f.metadata["section"])
+        help_text = f.metadata["help"]
+        if "(default" not in help_text:
+            help_text += f" (default: {f.default})"
+        if f.type in (bool, bool | None):
+            group.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=help_text)
+        else:  # int | None parses as int
+            value_type = [t for t in typing.get_args(f.type) if t is not type(None)] or [f.type]
+            group.add_argument(f"--{f.name}", type=value_type[0], default=argparse.SUPPRESS,
+                               help=help_text, choices=f.metadata["choices"],
+                               metavar=None if f.metadata["choices"] else value_type[0].__name__)
+    given = vars(parser.parse_args(argv))  # only the flags on the command line
+    cfg = TrainConfig(**given)
+    if os.path.isfile(cfg.init_from):
+        with contextlib.suppress(Exception):  # a file that cannot be read: loading it says why
+            saved = torch.load(cfg.init_from, map_location="cpu", weights_only=True, mmap=True)
+            for name in ("seq_len", "micro_batch_size", "total_batch_size", "eval_steps"):
+                if name not in given and isinstance(saved, dict):
+                    setattr(cfg, name, saved["config"][name])
+    return cfg
+
+
+# Dense tensor-core TFLOP/s in the vendors' datasheets, for MFU: (pattern of the name torch
+# reports, bfloat16 or float16, float32 as TF32). GeForce: with float32 accumulation, as autocast's.
+PEAK_TFLOPS = [
+    (r"H100 80GB HBM3|H100 SXM", 989, 495), (r"H100 PCIe", 756, 378), (r"H200$", 989, 495),
+    (r"A100", 312, 156), (r"\bA10$", 125, 62.5), (r"\bL4$", 121, 60), (r"L40S$", 362, 183),
+    (r"RTX 3090$", 71, 35.6), (r"RTX 4090$", 165, 82.6), (r"V100-SXM", 125, 15.7),
+    (r"V100-PCIE", 112, 14), (r"\bT4$", 65, 8.1),
+    (r"GTX 1080 Ti$", 11.3, 11.3),  # no tensor cores: its float32 rate for both
+]
+COMPILE_GAIN = "on an H100 compile trains 1.54x faster: 489k against 317k tokens/s"
+
+
+def compile_blocker(major: int, minor: int) -> str | None:
+    """Why torch.compile cannot run on this GPU (Inductor writes Triton kernels), or None."""
+    from torch.utils._triton import has_triton_package  # whether `import triton` works
+
+    if major < 7:
+        return f"Triton needs compute capability 7.0 or more, this GPU has {major}.{minor}"
+    if not has_triton_package():
+        return "Triton is not installed (pip install triton)"
+    if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
+        return "Triton builds with a C compiler and found none (gcc, clang or $CC): install gcc"
+    return None
+
+
+def check_config(cfg: TrainConfig, world_size: int) -> None:
+    shape_flags = [n for n in ("n_layer", "n_head", "n_embd") if getattr(cfg, n) is not None]
+    for name in ["block_size", "vocab_size", "total_batch_size", "micro_batch_size", "seq_len",
+                 "max_steps", "eval_steps", "num_samples", "top_k"] + shape_flags:
+        if getattr(cfg, name) < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+    negative = [f"--{name} {getattr(cfg, name)}" for name in (
+        "eval_every", "sample_every", "hellaswag_every", "ckpt_every", "keep_ckpts",
+        "stop_after_steps", "loss_chunk_size", "max_new_tokens", "grad_clip",
+        "weight_decay", "eps") if (getattr(cfg, name) or 0) < 0]
+    if negative:
+        raise ConfigError(f"{', '.join(negative)}: must be 0 or more")
+    n_layer, n_head, n_embd = model_shape(cfg)
+    micro_step_tokens = cfg.micro_batch_size * cfg.seq_len * world_size
+    modes = [f"--{mode}" for mode in ("generate", "eval_only", "export_hf") if getattr(cfg, mode)]
+    mistakes = [
+        (n_embd % n_head, f"--n_embd {n_embd} is not divisible by --n_head {n_head}: pick a width "
+                          "that is"),
+        (cfg.seq_len > cfg.block_size, f"--seq_len {cfg.seq_len} is longer than --block_size "
+                                       f"{cfg.block_size}: lower --seq_len or raise --block_size"),
+        (cfg.vocab_size < GPT2_VOCAB_SIZE, f"--vocab_size {cfg.vocab_size} is smaller than the "
+         f"GPT-2 tokenizer's {GPT2_VOCAB_SIZE} tokens: use at least 50257 (50304 is faster)"),
+        (cfg.total_batch_size % micro_step_tokens, f"--total_batch_size {cfg.total_batch_size} is "
+         f"not divisible by micro_batch_size x seq_len x processes = {cfg.micro_batch_size} x "
+         f"{cfg.seq_len} x {world_size} = {micro_step_tokens}: make --total_batch_size a multiple "
+         "of it"),
+        (not 0 <= cfg.warmup_steps <= cfg.max_steps, f"--warmup_steps {cfg.warmup_steps} must be "
+         f"between 0 and --max_steps {cfg.max_steps}: lower --warmup_steps"),
+        (cfg.max_lr <= 0, f"--max_lr {cfg.max_lr} is not above 0"),
+        (not 0 <= cfg.min_lr_ratio <= 1, f"--min_lr_ratio {cfg.min_lr_ratio} is not in [0, 1]"),
+        (not 0 <= cfg.dropout < 1, f"--dropout {cfg.dropout} is not in [0, 1)"),
+        (cfg.optimizer == "muon" and not hasattr(torch.optim, "Muon"), "--optimizer muon needs "
+         f"torch.optim.Muon, new in PyTorch 2.9; this is {torch.__version__}: upgrade torch"),
+        (not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1), f"--beta1 {cfg.beta1} and --beta2 "
+                                                         f"{cfg.beta2} must be in [0, 1)"),
+        (cfg.temperature <= 0, f"--temperature {cfg.temperature} is not above 0"),
+        (cfg.peak_tflops is not None and cfg.peak_tflops <= 0, f"--peak_tflops "
+                                                               f"{cfg.peak_tflops} is not above 0"),
+        (cfg.init_from and cfg.resume, "--init_from starts a new run and --resume continues one: "
+                                       "drop one"),
+        (cfg.init_from and cfg.init_from not in MODEL_SHAPES and not os.path.isfile(cfg.init_from),
+         f"--init_from {cfg.init_from} is neither {', '.join(MODEL_SHAPES)} nor a checkpoint file"),
+        (cfg.init_from and shape_flags, f"--init_from {cfg.init_from} sets the model's shape: "
+                                        f"drop {' '.join('--' + name for name in shape_flags)}"),
+        (len(modes) > 1, f"{' and '.join(modes)} are separate runs: pick one"),
+        (cfg.export_hf and not cfg.init_from, "--export_hf needs --init_from with the weights to "
+                                              "export"),
+        (cfg.export_hf and os.path.exists(cfg.export_hf), f"--export_hf {cfg.export_hf} already "
+                                                          "exists: give a new folder"),
+        ((cfg.generate or cfg.export_hf) and world_size > 1, f"{' '.join(modes)} runs in one "
+                                                             "process: use python, not torchrun"),
+        (cfg.tensorboard and not importlib.util.find_spec("tensorboard"),
+         "--tensorboard needs the tensorboard package: pip install tensorboard"),
+        (cfg.hellaswag_path and not os.path.isfile(cfg.hellaswag_path),
+         f"--hellaswag_path {cfg.hellaswag_path} does not exist: give hellaswag_val.jsonl's path"),
+    ]
+    for mistake, message in mistakes:
+        if mistake:
+            raise ConfigError(message)
+
+
+def check_same_command(cfg: TrainConfig | None, problem: ConfigError | None, launch: Launch):
+    """Raise on every rank flags that differ between ranks, then any rank's problem (cfg None)."""
+    posts = gather((problem and str(problem), cfg and dataclasses.asdict(cfg)), launch)
+    parsed = [(rank, flags) for rank, (_, flags) in enumerate(posts) if flags is not None]
+    differing = [f"--{name} {value} on rank {parsed[0][0]} but {flags[name]} on rank {rank}"
+                 for name, value in (parsed[0][1].items() if parsed else ())
+                 for rank, flags in parsed[1:] if flags[name] != value]
+    if differing:
+        raise ConfigError(f"the processes were started with different flags "
+                          f"({', '.join(differing)}): start every machine with the same command")
+    if error := first_problem([problem for problem, _ in posts]):
+        raise error
+
+
+# ------------------------------------------------------------ reading tokens and HellaSwag
+
+
+def gpt2_tokenizer():
+    import tiktoken  # here, so that importing this file does no work
+
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except (OSError, ValueError) as error:  # offline with nothing cached; a damaged file
+        raise ConfigError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
+                          "downloads its two files once; connect to the network, or set "
+                          "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
+
+
+def read_text_tokens(path: str) -> np.ndarray:
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise ConfigError(f"--text_file {path} does not exist: give a text file, or --data_dir "
+                          "with fineweb.py's shards") from None
+    except (OSError, UnicodeDecodeError) as error:
+        reason = (error.strerror if isinstance(error, OSError)
+                  else f"not UTF-8: {error.reason} at byte {error.start}")
+        raise ConfigError(f"cannot read --text_file {path} ({reason}): give a UTF-8 text file") \
+            from None
+    return np.array(gpt2_tokenizer().encode_ordinary(text), dtype=np.uint16)
+
+
+def find_shards(data_dir: str, split: str) -> list[str]:
+    if not os.path.isdir(data_dir):
+        raise ConfigError(f"--data_dir {data_dir} is not a folder: run fineweb.py to make shards, "
+                          "or fix the path")
+    if os.path.exists(os.path.join(data_dir, "INCOMPLETE")):  # fineweb.py's, until all are in
+        raise ConfigError(f"--data_dir {data_dir} is incomplete (fineweb.py's INCOMPLETE file is "
+                          "there): wait for fineweb.py, or rerun it with --resume")
+    paths = sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.npy")))
+    if not paths:
+        raise ConfigError(f"no {split} shards (*_{split}_*.npy) in --data_dir {data_dir}: "
+                          "run fineweb.py to make them")
+    return paths
+
+
+def open_shard(path: str) -> np.ndarray:
+    """Memory-mapped: a batch reads the pages it touches, never the whole shard into RAM."""
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except OSError as error:  # a folder, no permission, a disk error
+        raise ConfigError(f"cannot read shard {path} ({error.strerror or error}): check the file") \
+            from None
+    except (ValueError, EOFError):  # no .npy header: numpy calls it "pickled data"
+        raise ConfigError(f"cannot read shard {path}: it is not a .npy file (empty, cut short or "
+                          "another format): delete it and rerun fineweb.py") from None
+    if tokens.dtype != np.uint16 or tokens.ndim != 1 or len(tokens) < 1:
+        raise ConfigError(f"shard {path} holds {tokens.dtype} of shape {tokens.shape}, not a 1-D "
+                          "uint16 array of tokens: rerun fineweb.py")
+    return tokens
+
+
+class TokenStream:
+    """Token arrays (memory-mapped shards, or one in-memory array) read as one sequence."""
+
+    def __init__(self, arrays: list[np.ndarray], names: list[str] | None = None):
+        self.arrays, self.names = arrays, names or ["the text"] * len(arrays)
+        self.starts = np.cumsum([0] + [len(a) for a in arrays])  # first global index of each
+        self.num_tokens = int(self.starts[-1])
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        pieces, end = [], start + count
+        index = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < end:
+            local = start - self.starts[index]
+            pieces.append(self.arrays[index][local : local + end - start])
+            start += len(pieces[-1])
+            index += 1
+        return np.concatenate(pieces).astype(np.int64)
+
+    def name_at(self, position: int) -> str:
+        return self.names[int(np.searchsorted(self.starts, position, side="right")) - 1]
+
+
+def load_token_streams(cfg: TrainConfig) -> tuple[TokenStream, TokenStream]:
+    """(train, val): the shards in --data_dir, or the text file split 90/10."""
+    if cfg.data_dir:
+        paths = [find_shards(cfg.data_dir, split) for split in ("train", "val")]
+        return tuple(TokenStream([open_shard(path) for path in group], group) for group in paths)
+    tokens = read_text_tokens(cfg.text_file or TEXT_FILE)
+    split = int(0.9 * len(tokens))
+    return TokenStream([tokens[:split]]), TokenStream([tokens[split:]])
+
+
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+
+
 HELLASWAG_CACHE = os.path.expanduser("~/.cache/train_gpt2/hellaswag_val.jsonl")
+
+
 # Tokens per scoring batch, padding included. Only ending tokens (about a quarter) get logits:
 # 2048 x 50304 float32 logits take 0.4 GiB
 HELLASWAG_BATCH_TOKENS = 8192
@@ -939,123 +1122,6 @@ def pack_hellaswag(rendered: list[tuple], max_tokens: int) -> list[tuple]:
     return batches
 
 
-@torch.no_grad()
-def hellaswag_choices(model: GPT, tokens: torch.Tensor, mask: torch.Tensor, autocast):
-    """Per example (rows 4i to 4i + 3): the ending of lowest summed loss (acc) and of lowest mean
-    loss per token (acc_norm), each (n,). Only positions that predict ending tokens get logits."""
-    rows, positions = mask[:, 1:].nonzero(as_tuple=True)  # position i predicts token i + 1
-    with autocast():
-        hidden = model.hidden_states(tokens)[rows, positions]  # (ending tokens, n_embd)
-        logits = model.lm_head(hidden)
-    losses = F.cross_entropy(logits.float(), tokens[rows, positions + 1], reduction="none")
-    summed = torch.zeros(len(tokens), device=tokens.device).index_add_(0, rows, losses).view(-1, 4)
-    mean = summed / mask[:, 1:].sum(dim=1).view(-1, 4)
-    return summed.argmin(dim=1), mean.argmin(dim=1)
-
-
-def evaluate_hellaswag(model: GPT, batches: list[tuple], device: str, autocast,
-                       launch: Launch) -> dict:
-    model.eval()
-    counts = torch.zeros(3, device=device)  # examples, right by summed loss, right by mean loss
-    for tokens, mask, labels in batches:
-        by_sum, by_mean = hellaswag_choices(model, to_device(tokens, device),
-                                            to_device(mask, device), autocast)
-        labels = to_device(labels, device)
-        counts[0] += len(labels)
-        counts[1:] += torch.stack([(by_sum == labels).sum(), (by_mean == labels).sum()])
-    model.train()
-    if launch.torchrun:
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
-    total, right, right_norm = counts.tolist()
-    return {"hellaswag_examples": int(total), "hellaswag_acc": right / total,
-            "hellaswag_acc_norm": right_norm / total}
-
-
-# ------------------------------------------------------------ checking the config
-
-
-def check_config(cfg: TrainConfig, world_size: int) -> None:
-    shape_flags = [n for n in ("n_layer", "n_head", "n_embd") if getattr(cfg, n) is not None]
-    for name in ["block_size", "vocab_size", "total_batch_size", "micro_batch_size", "seq_len",
-                 "max_steps", "eval_steps", "num_samples", "top_k"] + shape_flags:
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
-    negative = [f"--{name} {getattr(cfg, name)}" for name in (
-        "eval_every", "sample_every", "hellaswag_every", "ckpt_every", "keep_ckpts",
-        "stop_after_steps", "loss_chunk_size", "max_new_tokens", "grad_clip",
-        "weight_decay", "eps") if (getattr(cfg, name) or 0) < 0]
-    if negative:
-        raise ConfigError(f"{', '.join(negative)}: must be 0 or more")
-    n_layer, n_head, n_embd = model_shape(cfg)
-    micro_step_tokens = cfg.micro_batch_size * cfg.seq_len * world_size
-    modes = [f"--{mode}" for mode in ("generate", "eval_only", "export_hf") if getattr(cfg, mode)]
-    mistakes = [
-        (n_embd % n_head, f"--n_embd {n_embd} is not divisible by --n_head {n_head}: pick a width "
-                          "that is"),
-        (cfg.seq_len > cfg.block_size, f"--seq_len {cfg.seq_len} is longer than --block_size "
-                                       f"{cfg.block_size}: lower --seq_len or raise --block_size"),
-        (cfg.vocab_size < GPT2_VOCAB_SIZE, f"--vocab_size {cfg.vocab_size} is smaller than the "
-         f"GPT-2 tokenizer's {GPT2_VOCAB_SIZE} tokens: use at least 50257 (50304 is faster)"),
-        (cfg.total_batch_size % micro_step_tokens, f"--total_batch_size {cfg.total_batch_size} is "
-         f"not divisible by micro_batch_size x seq_len x processes = {cfg.micro_batch_size} x "
-         f"{cfg.seq_len} x {world_size} = {micro_step_tokens}: make --total_batch_size a multiple "
-         "of it"),
-        (not 0 <= cfg.warmup_steps <= cfg.max_steps, f"--warmup_steps {cfg.warmup_steps} must be "
-         f"between 0 and --max_steps {cfg.max_steps}: lower --warmup_steps"),
-        (cfg.max_lr <= 0, f"--max_lr {cfg.max_lr} is not above 0"),
-        (not 0 <= cfg.min_lr_ratio <= 1, f"--min_lr_ratio {cfg.min_lr_ratio} is not in [0, 1]"),
-        (not 0 <= cfg.dropout < 1, f"--dropout {cfg.dropout} is not in [0, 1)"),
-        (cfg.optimizer == "muon" and not hasattr(torch.optim, "Muon"), "--optimizer muon needs "
-         f"torch.optim.Muon, new in PyTorch 2.9; this is {torch.__version__}: upgrade torch"),
-        (not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1), f"--beta1 {cfg.beta1} and --beta2 "
-                                                         f"{cfg.beta2} must be in [0, 1)"),
-        (cfg.temperature <= 0, f"--temperature {cfg.temperature} is not above 0"),
-        (cfg.peak_tflops <= 0, f"--peak_tflops {cfg.peak_tflops} is not above 0"),
-        (cfg.init_from and cfg.resume, "--init_from starts a new run and --resume continues one: "
-                                       "drop one"),
-        (cfg.init_from and cfg.init_from not in MODEL_SHAPES and not os.path.isfile(cfg.init_from),
-         f"--init_from {cfg.init_from} is neither {', '.join(MODEL_SHAPES)} nor a checkpoint file"),
-        (cfg.init_from and shape_flags, f"--init_from {cfg.init_from} sets the model's shape: "
-                                        f"drop {' '.join('--' + name for name in shape_flags)}"),
-        (len(modes) > 1, f"{' and '.join(modes)} are separate runs: pick one"),
-        (cfg.export_hf and not cfg.init_from, "--export_hf needs --init_from with the weights to "
-                                              "export"),
-        (cfg.export_hf and os.path.exists(cfg.export_hf), f"--export_hf {cfg.export_hf} already "
-                                                          "exists: give a new folder"),
-        ((cfg.generate or cfg.export_hf) and world_size > 1, f"{' '.join(modes)} runs in one "
-                                                             "process: use python, not torchrun"),
-        (cfg.hellaswag_path and not os.path.isfile(cfg.hellaswag_path),
-         f"--hellaswag_path {cfg.hellaswag_path} does not exist: give hellaswag_val.jsonl's path"),
-    ]
-    for mistake, message in mistakes:
-        if mistake:
-            raise ConfigError(message)
-    if cfg.generate or cfg.export_hf:
-        return  # they read no data
-    if cfg.data_dir:
-        for split in ("train", "val"):
-            find_shards(cfg.data_dir, split)
-    elif cfg.text_file and not os.path.isfile(cfg.text_file):
-        raise ConfigError(f"--text_file {cfg.text_file} does not exist: give a text file, or "
-                          "--data_dir with fineweb.py's shards")
-
-
-def check_same_command(cfg: TrainConfig | None, problem: ConfigError | None, launch: Launch):
-    """Raise on every rank what stops the job before it starts: flags that differ between ranks
-    (they cause the mistakes one machine alone makes), then any rank's problem. cfg is None where
-    the flags did not parse."""
-    posts = gather((problem and str(problem), cfg and dataclasses.asdict(cfg)), launch)
-    parsed = [(rank, flags) for rank, (_, flags) in enumerate(posts) if flags is not None]
-    differing = [f"--{name} {value} on rank {parsed[0][0]} but {flags[name]} on rank {rank}"
-                 for name, value in (parsed[0][1].items() if parsed else ())
-                 for rank, flags in parsed[1:] if flags[name] != value]
-    if differing:
-        raise ConfigError(f"the processes were started with different flags "
-                          f"({', '.join(differing)}): start every machine with the same command")
-    if error := first_problem([problem for problem, _ in posts]):
-        raise error
-
-
 # ------------------------------------------------------------ setting up a run
 
 
@@ -1079,9 +1145,8 @@ def failed_write_is_one_line(path: str, then: str):
 
 
 def write_atomically(path: str, write, then: str = RESUME_AUTO) -> None:
-    """write(file) to a temporary file, flush it to disk, rename: readers see the old file or the
-    whole new one. The temporary name is this process's own (several may fetch a file to shared
-    storage). A failed write removes it and is one ConfigError that ends with `then`."""
+    """write(file) to this process's own temporary file, flush it to disk, rename: readers see the
+    old file or the whole new one. A failed write removes it: one ConfigError ending with `then`."""
     temporary = f"{path}.{os.uname().nodename}-{os.getpid()}.tmp"
     try:
         with failed_write_is_one_line(path, then), open(temporary, "wb") as f:
@@ -1111,8 +1176,7 @@ def open_data(cfg: TrainConfig, launch: Launch, with_val: bool) -> tuple[DataLoa
                                                   "--data_dir")
     train_stream, val_stream = load_token_streams(cfg)
     B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
-    shuffle = cfg.shuffle if cfg.shuffle is not None else bool(cfg.data_dir)
-    train_loader = DataLoader(train_stream, B, T, launch.rank, W, shuffle, cfg.seed)
+    train_loader = DataLoader(train_stream, B, T, launch.rank, W, cfg.shuffle, cfg.seed)
     # the validation windows in order: the same ones every time
     val_loader = DataLoader(val_stream, B, T, launch.rank, W, False, cfg.seed) if with_val else None
     step_windows, tokens = cfg.total_batch_size // T, f"{cfg.total_batch_size:,} tokens"
@@ -1148,10 +1212,6 @@ def open_hellaswag(cfg: TrainConfig, launch: Launch, block_size: int) -> list[tu
     return pack_hellaswag(rendered, min(HELLASWAG_BATCH_TOKENS, cfg.micro_batch_size * cfg.seq_len))
 
 
-def compile_enabled(cfg: TrainConfig, device: str) -> bool:
-    return cfg.compile if cfg.compile is not None else device.startswith("cuda")
-
-
 def build_model(cfg: TrainConfig, device: str) -> GPT:
     model_config, state = initial_weights(cfg)
     if not cfg.generate and cfg.seq_len > model_config.block_size:
@@ -1161,42 +1221,20 @@ def build_model(cfg: TrainConfig, device: str) -> GPT:
     model = GPT(model_config)
     if state is not None:
         model.load_state_dict(state)
-    model.recompute_blocks = cfg.recompute
-    # without compile the full float32 logits are the largest tensor; compile fuses the plain loss
-    model.loss_chunk_size = (cfg.loss_chunk_size if cfg.loss_chunk_size is not None
-                             else 0 if compile_enabled(cfg, device) else 8192)
     return model.to(device)
 
 
-def precision(cfg: TrainConfig, device_type: str):
-    """(dtype, autocast): autocast() opens an autocast context for that dtype (off for float32)."""
-    dtype = getattr(torch, cfg.dtype) if cfg.dtype != "auto" else torch.float32
-    if cfg.dtype == "auto" and device_type == "cuda":
-        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device_type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in float32
-
-    def autocast():
-        return torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
-
-    return dtype, autocast
+def autocast_for(cfg: TrainConfig, device: str):
+    """autocast() opens an autocast context for --dtype (none for float32)."""
+    dtype = getattr(torch, cfg.dtype)
+    return functools.partial(torch.autocast, device.split(":")[0], dtype=dtype,
+                             enabled=dtype != torch.float32)
 
 
-@dataclass
-class PreparedRun:
-    model: GPT
-    train_loader: DataLoader
-    val_loader: DataLoader | None
-    checkpoint: dict | None  # to resume from
-    hellaswag: list  # this rank's batches
-    tokenizer: typing.Any  # for samples
-
-
-def prepare_training(cfg: TrainConfig, launch: Launch, device: str, log) -> PreparedRun:
-    """Every rank opens the data, builds the model and finds the checkpoint. A problem on any rank
-    stops all, and all must have found the same data and checkpoint (machines with their own
-    copies could differ)."""
-    problem, run, found = None, None, None
+def set_up_training(cfg: TrainConfig, launch: Launch, device: str, log, notes) -> tuple:
+    """Every rank opens the data, builds the model and finds the checkpoint: a problem on any stops
+    all, and all must find the same (machines with their own copies could differ). Then the rest."""
+    problem, found = None, None
     try:
         if launch.rank == 0:
             make_log_dir(cfg.log_dir)
@@ -1206,16 +1244,15 @@ def prepare_training(cfg: TrainConfig, launch: Launch, device: str, log) -> Prep
                               f"({os.path.basename(earlier[0])}): continue it with --resume auto, "
                               "or pass another --log_dir")
         train_loader, val_loader = open_data(cfg, launch, with_val=cfg.eval_every > 0)
-        model = build_model(cfg, device)
+        raw_model = build_model(cfg, device)
         checkpoint = find_resume_checkpoint(cfg, log.say)
         if checkpoint is not None:
-            check_resumable(checkpoint, cfg, model.config)
+            check_resumable(checkpoint, cfg, raw_model.config)
         hellaswag = []
         if cfg.hellaswag_every:
-            hellaswag = open_hellaswag(cfg, launch, model.config.block_size)
+            hellaswag = open_hellaswag(cfg, launch, raw_model.config.block_size)
         tokenizer = gpt2_tokenizer() if cfg.sample_every else None
         log.begin(checkpoint and checkpoint["step"])
-        run = PreparedRun(model, train_loader, val_loader, checkpoint, hellaswag, tokenizer)
         found = (train_loader.stream.num_tokens, val_loader and val_loader.stream.num_tokens,
                  checkpoint and checkpoint["step"])
     except ConfigError as error:
@@ -1229,7 +1266,39 @@ def prepare_training(cfg: TrainConfig, launch: Launch, device: str, log) -> Prep
                           "give every machine the same shards and a shared --log_dir")
     if launch.rank == 0:
         remove_killed_writes(cfg.log_dir)
-    return run
+    model = torch.compile(raw_model) if cfg.compile else raw_model
+    if launch.torchrun:  # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets
+        device_ids = [torch.device(device).index] if device.startswith("cuda") else None
+        model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    scaler = torch.amp.GradScaler(device.split(":")[0], enabled=cfg.dtype == "float16")
+    optimizers = configure_optimizer(raw_model, cfg, fused=device.startswith("cuda"),
+                                     sharded=cfg.shard_optimizer and launch.world_size > 1)
+    torch.manual_seed(cfg.seed + launch.rank)  # dropout: each rank its own masks
+    start_step = restore_checkpoint(checkpoint, cfg, raw_model, optimizers, scaler, train_loader,
+                                    device, log)
+    accum_steps, parameters = grad_accum_steps(cfg, launch.world_size), count_parameters(raw_model)
+    flops_per_step = flops_per_token(raw_model.config, parameters, cfg.seq_len) \
+        * cfg.total_batch_size
+    for line in notes + [start_line(cfg, device, launch.world_size, parameters, accum_steps,
+                                    train_loader.stream.num_tokens)]:
+        log.say(line)
+    return (model, raw_model, train_loader, val_loader, optimizers, scaler,
+            autocast_for(cfg, device), start_step, accum_steps, flops_per_step, hellaswag,
+            tokenizer)
+
+
+def start_line(cfg: TrainConfig, device: str, world_size: int, parameters: int,
+               accum_steps: int, train_tokens: int) -> str:
+    W, gpu = world_size, device.startswith("cuda")
+    card = f", {torch.cuda.get_device_name(device)}" if gpu else ""
+    mfu = (f", MFU against {cfg.peak_tflops:g} TFLOP/s" if cfg.peak_tflops else
+           ", no MFU: its peak TFLOP/s is unknown, give --peak_tflops" if card else "")
+    sharded = "optimizer state sharded over the processes; " if cfg.shard_optimizer and W > 1 \
+        else ""
+    return (f"device {device}{card} ({cfg.dtype}, compile {'on' if cfg.compile else 'off'}{mfu}), "
+            f"{W} process(es); {parameters:,} parameters; {cfg.total_batch_size:,} tokens per step "
+            f"= {accum_steps} micro-steps x {W} process(es) x {cfg.micro_batch_size} x "
+            f"{cfg.seq_len}; {sharded}{train_tokens:,} train tokens")
 
 
 # ------------------------------------------------------------ weights to start from
@@ -1259,8 +1328,7 @@ def state_to_openai(state: dict, vocab_size: int) -> dict:
 
 
 def import_transformers(flag: str):
-    """The transformers module, quiet: its imports warn about optional packages, and its saving and
-    loading draw progress bars."""
+    """transformers, without its warnings about optional packages and its progress bars."""
     import logging
 
     logging.disable(logging.WARNING)
@@ -1297,15 +1365,16 @@ def load_openai_weights(name: str) -> dict:
 
 
 def initial_weights(cfg: TrainConfig) -> tuple[GPTConfig, dict | None]:
-    """The model's shape and the weights to start from (None: fresh ones of the flags' shape)."""
+    """The model's config (dropout, loss, recompute: this run's) and weights (None: fresh ones)."""
+    training = dict(dropout=cfg.dropout, loss_chunk_size=cfg.loss_chunk_size or 0,
+                    recompute=cfg.recompute)
     if not cfg.init_from:
-        return GPTConfig(*model_shape(cfg), cfg.block_size, cfg.vocab_size, cfg.dropout), None
+        return GPTConfig(*model_shape(cfg), cfg.block_size, cfg.vocab_size, **training), None
     if cfg.init_from in MODEL_SHAPES:  # as released: 1024 positions and the 50257 real tokens
-        return (GPTConfig(*MODEL_SHAPES[cfg.init_from], 1024, GPT2_VOCAB_SIZE, cfg.dropout),
+        return (GPTConfig(*MODEL_SHAPES[cfg.init_from], 1024, GPT2_VOCAB_SIZE, **training),
                 load_openai_weights(cfg.init_from))
     checkpoint = load_checkpoint(cfg.init_from, "--init_from")
-    saved = {**checkpoint["model_config"], "dropout": cfg.dropout}  # fine-tuning sets its own
-    return GPTConfig(**saved), checkpoint["model"]
+    return GPTConfig(**{**checkpoint["model_config"], **training}), checkpoint["model"]
 
 
 # ------------------------------------------------------------ checkpoints
@@ -1334,8 +1403,7 @@ def file_sha256(path: str) -> str:
 
 
 def save_checkpoint(path: str, state: dict, keep: int) -> None:
-    """The checkpoint and its sha256 (torch.load misses a flipped byte in tensor data); then only
-    the `keep` newest checkpoints stay."""
+    """The checkpoint, its sha256 (torch.load misses a flipped byte), the `keep` newest kept."""
     # to a file object: to a path, torch.save reports a full disk with no OSError to name it
     write_atomically(path, lambda f: torch.save(state, f))
     line = file_sha256(path) + "\n"
@@ -1382,15 +1450,6 @@ def load_checkpoint(path: str, flag: str = "--resume") -> dict:
     return checkpoint
 
 
-def checkpoint_config(path: str) -> dict:
-    """The flags a checkpoint was trained with; empty if it cannot be read (loading it says why)."""
-    try:
-        saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception:
-        return {}
-    return saved.get("config", {}) if isinstance(saved, dict) else {}
-
-
 def find_resume_checkpoint(cfg: TrainConfig, say) -> dict | None:
     """The checkpoint --resume names; with 'auto', the newest one in log_dir that loads, or None."""
     if cfg.resume != "auto":
@@ -1413,7 +1472,7 @@ def check_resumable(checkpoint: dict, cfg: TrainConfig, model_config: GPTConfig)
     if differing:
         raise ConfigError(f"cannot resume from {checkpoint['path']}: {', '.join(differing)} (they "
                           "define its weights, schedule and data position): use its values")
-    trained_with = saved.get("optimizer", "adamw")  # older checkpoints: AdamW's
+    trained_with = saved["optimizer"]
     if trained_with != cfg.optimizer:
         raise ConfigError(f"cannot resume from {checkpoint['path']} with --optimizer "
                           f"{cfg.optimizer}: it holds {trained_with}'s state; resume with "
@@ -1439,19 +1498,15 @@ def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, devic
     if checkpoint is None:
         return 0
     model.load_state_dict(checkpoint["model"])
-    states = checkpoint["optimizer"]  # one per optimizer; older checkpoints: AdamW's alone
-    for optimizer, state in zip(optimizers, [states] if isinstance(states, dict) else states,
-                                strict=True):
+    for optimizer, state in zip(optimizers, checkpoint["optimizer"], strict=True):
         optimizer.load_state_dict(state)
     if checkpoint["scaler"]:
         scaler.load_state_dict(checkpoint["scaler"])
     loader.windows_consumed = checkpoint["windows_consumed"]
-    states = checkpoint["rng"]  # one per rank; older checkpoints: rank 0's alone
-    states = [states] if isinstance(states, dict) else states
-    if loader.rank < len(states):  # a rank new at a larger world size keeps its fresh seed
-        restore_rng_states(states[loader.rank], device)
+    if loader.rank < len(checkpoint["rng"]):  # a rank new at a larger world size keeps its seed
+        restore_rng_states(checkpoint["rng"][loader.rank], device)
     saved, step, tokens = checkpoint["config"], checkpoint["step"], loader.stream.num_tokens
-    if checkpoint.get("train_tokens", tokens) != tokens:
+    if checkpoint["train_tokens"] != tokens:
         log.say(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
                 f"{checkpoint['train_tokens']:,}: its data position points at other tokens now; "
                 "resume with the checkpoint's data to go on exactly")
@@ -1467,9 +1522,9 @@ def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, devic
     return step
 
 
-def write_checkpoint(cfg, launch, device, model, optimizers, scaler, loader, steps_done, sharded):
+def write_checkpoint(cfg, launch, device, model, optimizers, scaler, loader, steps_done):
     """Rank 0 writes <log_dir>/ckpt_<steps_done>.pt; every rank stops if it could not."""
-    if sharded:
+    if cfg.shard_optimizer and launch.world_size > 1:
         for optimizer in optimizers:
             optimizer.consolidate_state_dict(to=0)  # every rank sends its share of the state
     rng = gather(rng_states(device), launch)
@@ -1503,27 +1558,25 @@ def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir) -> Non
                       "--max_lr or more --warmup_steps")
 
 
-class StopSignal:
-    """SIGTERM (preemption), SIGHUP (the terminal closed) or Ctrl-C: finish the step, checkpoint,
-    exit. A second Ctrl-C stops at once (interrupted_line says what is lost). A signal ignored at
-    start (nohup) stays ignored."""
+@contextlib.contextmanager
+def catching_stop_signals():
+    """SIGTERM (preemption), SIGHUP (the terminal closed) or Ctrl-C set ["requested"]: the step
+    finishes, checkpoints, exits. A second Ctrl-C stops at once (interrupted_line says what
+    is lost). A signal ignored at start (nohup) stays ignored."""
+    stop = {"requested": False}
 
-    def __init__(self):
-        self.requested, self.previous = False, {}
-
-    def __enter__(self):
-        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
-            if signal.getsignal(signum) is not signal.SIG_IGN:
-                self.previous[signum] = signal.signal(signum, self.handle)
-        return self
-
-    def handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
+    def handle(signum, frame):
+        if stop["requested"] and signum == signal.SIGINT:
             raise KeyboardInterrupt
-        self.requested = True
+        stop["requested"] = True
 
-    def __exit__(self, *exc_info):
-        for signum, handler in self.previous.items():
+    previous = {signum: signal.signal(signum, handle) for signum in
+                (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
+                if signal.getsignal(signum) is not signal.SIG_IGN}
+    try:
+        yield stop
+    finally:
+        for signum, handler in previous.items():
             signal.signal(signum, handler)
 
 
@@ -1537,10 +1590,9 @@ def interrupted_line(cfg: TrainConfig, training: bool) -> str:
             f"from it, {RESUME_AUTO}")
 
 
-def signalled_on_any_rank(signalled: bool, sources: list, launch: Launch, device: str) -> bool:
-    """Whether any rank got a stop signal (a scheduler may signal only some). Raises on every rank
-    if any had a problem: a loader read a token id beyond the vocabulary, or the log could not be
-    written. One all-reduce carries both flags."""
+def stop_or_fail_together(signalled: bool, sources: list, launch: Launch, device: str) -> bool:
+    """Whether any rank got a stop signal (a scheduler may signal only some); raises on every rank
+    any rank's problem (a token beyond the vocabulary, a failed log write). One all-reduce."""
     problem = next((source.problem for source in sources if source and source.problem), None)
     flags = [signalled, problem is not None]
     if launch.torchrun:
@@ -1573,13 +1625,13 @@ def record_step(line: str, default: int) -> int:
 
 
 class MetricsLog:
-    """Rank 0 prints lines and appends JSON records to <log_dir>/metrics.jsonl; the other ranks are
-    silent. A failed write is kept as the problem that every rank stops on at the end of the step
-    (signalled_on_any_rank); nothing more is written."""
+    """Rank 0 prints lines, appends JSON records to <log_dir>/metrics.jsonl, and with tensorboard
+    their figures to an events file beside it. A failed write is the problem every rank stops on
+    at the end of the step (stop_or_fail_together); nothing more is written."""
 
-    def __init__(self, log_dir: str, active: bool):
+    def __init__(self, log_dir: str, active: bool, tensorboard: bool = False):
         self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
-        self.records, self.problem = [], None
+        self.records, self.problem, self.tensorboard = [], None, tensorboard
 
     def begin(self, resume_step: int | None) -> None:
         """A new run starts an empty file; a resumed one keeps the records before resume_step."""
@@ -1590,6 +1642,24 @@ class MetricsLog:
             with open(self.path) as f:
                 kept = [line for line in f if record_step(line, resume_step) < resume_step]
         write_atomically(self.path, lambda f: f.write("".join(kept).encode()))
+        if self.tensorboard:
+            from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+            self.board_path = os.path.join(os.path.dirname(self.path), "events.out.tfevents."
+                                           f"{time.time():.0f}.{socket.gethostname()}.{os.getpid()}")
+            # TensorBoard drops the events from this step on: a resumed run's curves go on from
+            # its checkpoint, without what the stopped run wrote after it
+            restart = Event(step=resume_step or 0, session_log=SessionLog(status=SessionLog.START))
+            self.write_events([Event(file_version="brain.Event:2"), restart])
+
+    def write_events(self, events: list) -> None:
+        """TensorBoard's record format: SummaryWriter's thread prints a traceback on a full disk."""
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        with failed_write_is_one_line(self.board_path, RESUME_AUTO), \
+                open(self.board_path, "ab") as f:
+            for event in events:
+                RecordWriter(f).write(event.SerializeToString())
 
     def say(self, line: str) -> None:
         if self.active:
@@ -1606,6 +1676,14 @@ class MetricsLog:
         try:
             with failed_write_is_one_line(self.path, RESUME_AUTO), open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            if self.tensorboard and "step" in record:  # an event a figure, as SummaryWriter's
+                from tensorboard.compat.proto.event_pb2 import Event
+                from tensorboard.compat.proto.summary_pb2 import Summary
+
+                self.write_events([
+                    Event(wall_time=time.time(), step=record["step"],
+                          summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)]))
+                    for tag, value in record.items() if tag != "step"])
         except ConfigError as error:
             os.truncate(self.path, size)  # no half record left
             self.problem = str(error)
@@ -1622,14 +1700,14 @@ class MetricsLog:
         self.write(record, line)
 
 
-def step_summary(step_ms, tokens_per_step, flops_per_step, cfg, device_type, world_size) -> dict:
+def step_summary(step_ms, tokens_per_step, flops_per_step, cfg, device, world_size) -> dict:
     """Median speed over the steps after the untimed first ones, and peak memory: allocated on
     CUDA (and what the caching allocator reserved), this process's resident memory elsewhere."""
     timed = step_ms[UNTIMED_STEPS:] or step_ms
     median_ms = statistics.median(timed)
     summary = {"timed_steps": len(timed), "median_ms": median_ms,
                "median_tokens_per_s": tokens_per_step * 1000 / median_ms}
-    if device_type == "cuda":
+    if device.startswith("cuda"):
         summary["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     else:
@@ -1637,7 +1715,7 @@ def step_summary(step_ms, tokens_per_step, flops_per_step, cfg, device_type, wor
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         summary["peak_memory_gib"] = peak / (2**30 if sys.platform == "darwin" else 2**20)
-    if flops_per_step is not None:
+    if cfg.peak_tflops:
         summary["mfu"] = model_flops_utilization(flops_per_step, median_ms, cfg.peak_tflops,
                                                  world_size)
     return summary
@@ -1658,10 +1736,9 @@ def summary_line(summary: dict, peak_tflops: float) -> str:
 
 
 def generate_samples(cfg: TrainConfig, device: str) -> list[str]:
-    """--generate. It compiles the one-token step only when --compile says so: a compile takes
-    longer than a short generation (README: Memory and speed)."""
+    """--generate; the one-token step compiled only with --compile (longer than a short text)."""
     model = build_model(cfg, device)
-    _, autocast = precision(cfg, device.split(":")[0])
+    autocast = autocast_for(cfg, device)
     timing = {}
     texts = print_samples(model, gpt2_tokenizer(), cfg, device, autocast, bool(cfg.compile), timing)
     warm_up = GENERATE_WARMUP_TOKENS if "warm_up_s" in timing else 0
@@ -1676,8 +1753,7 @@ def generate_samples(cfg: TrainConfig, device: str) -> list[str]:
 
 
 def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
-    """The val loss and HellaSwag accuracy of --init_from's (or fresh) weights; the val loss alone
-    where HellaSwag's file cannot be downloaded."""
+    """The val loss and HellaSwag accuracy (if its file can be had) of --init_from's weights."""
     problem, hellaswag, missing = None, None, None
     try:
         _, val_loader = open_data(cfg, launch, with_val=True)
@@ -1692,11 +1768,11 @@ def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
     if error := first_problem([problem for problem, _ in posts]):
         raise error
     missing = next((missing for _, missing in posts if missing), None)  # all skip it, or none
-    _, autocast = precision(cfg, device.split(":")[0])
+    autocast = autocast_for(cfg, device)
     accum_steps = grad_accum_steps(cfg, launch.world_size)
     result = {"val_loss": estimate_val_loss(model, val_loader, cfg.eval_steps, accum_steps, device,
                                             autocast, launch)}
-    signalled_on_any_rank(False, [val_loader], launch, device)  # stops on bad tokens
+    stop_or_fail_together(False, [val_loader], launch, device)  # stops on bad tokens
     if missing is None:
         result.update(evaluate_hellaswag(model, hellaswag, device, autocast, launch))
     if launch.rank == 0:
@@ -1708,8 +1784,7 @@ def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
 
 
 def export_hf(cfg: TrainConfig) -> str:
-    """--init_from's weights as a transformers GPT-2 folder, with tiktoken's GPT-2 tokenizer
-    converted by transformers, renamed into place once its logits are checked to be ours."""
+    """--init_from's weights and tiktoken's tokenizer as a transformers folder, once checked."""
     transformers = import_transformers("--export_hf")
     try:
         import blobfile  # noqa: F401 (transformers' tiktoken converter writes through it)
@@ -1787,33 +1862,24 @@ def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str
     return f"{where}: {add}lower --seq_len or pick a smaller --model"
 
 
-def exit_on_user_error(error: ConfigError, launch: Launch) -> typing.NoReturn:
-    """Every rank raised it together: rank 0 says it, all leave the process group and exit."""
-    if launch.rank == 0:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-    if launch.torchrun:
-        dist.destroy_process_group()
-    sys.exit(2)
-
-
 @record  # under torchrun, the failure summary then names the failing rank and its traceback
 def main(cfg: TrainConfig | None, launch: Launch | None = None,
          problem: ConfigError | None = None) -> TrainResult | dict | list[str] | str:
-    """Run cfg. Under torchrun every rank joins the process group first, then all check the config
-    together. cfg is None, and problem says why, where the flags did not parse."""
+    """Run cfg; under torchrun all ranks join, then check it together (None: problem says why)."""
     launch = launch or launch_from_env(os.environ)
-    device = "cpu"
+    settled, notes = cfg, []
     try:
         if problem is None:
             check_config(cfg, launch.world_size)
-            device = pick_device(cfg.device, launch, torch.cuda.device_count(),
-                                 torch.backends.mps.is_available())
+            settled, notes = settle_defaults(cfg, launch)
     except ConfigError as error:
-        problem, device = error, "cpu"
+        problem = error
+    device = settled.device if problem is None else "cpu"
     init_distributed(launch, device)
     result = None
     try:
-        check_same_command(cfg, problem, launch)
+        check_same_command(cfg, problem, launch)  # the flags as given: the machines may differ
+        cfg = settled
         if cfg.export_hf:
             result = export_hf(cfg)
         elif cfg.generate:
@@ -1821,10 +1887,14 @@ def main(cfg: TrainConfig | None, launch: Launch | None = None,
         elif cfg.eval_only:
             result = evaluate_only(cfg, launch, device)
         else:
-            with StopSignal() as stop_signal:
-                result = train(cfg, launch, device, stop_signal)
-    except ConfigError as error:  # raised on every rank together
-        exit_on_user_error(error, launch)
+            with catching_stop_signals() as stop_signal:
+                result = train(cfg, launch, device, stop_signal, notes)
+    except ConfigError as error:  # raised on every rank together: rank 0 says it, all leave
+        if launch.rank == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        if launch.torchrun:
+            dist.destroy_process_group()
+        sys.exit(2)
     except KeyboardInterrupt:  # a second Ctrl-C while training, the first in the other modes
         if launch.rank == 0:
             training = cfg is not None and not (cfg.export_hf or cfg.generate or cfg.eval_only)

@@ -77,3 +77,31 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+# What torch.cuda.get_device_properties reports on each real card: name, compute capability, memory in bytes
+CARDS = {
+    "h100": ("NVIDIA H100 80GB HBM3", 9, 0, 85_029_158_912),
+    "a100": ("NVIDIA A100-SXM4-80GB", 8, 0, 84_974_239_744),
+    "4090": ("NVIDIA GeForce RTX 4090", 8, 9, 25_393_692_672),
+    "v100": ("Tesla V100-SXM2-16GB", 7, 0, 16_945_512_448),
+    "t4": ("Tesla T4", 7, 5, 15_828_320_256),
+    "1080": ("NVIDIA GeForce GTX 1080 Ti", 6, 1, 11_721_506_816),
+    "a6000": ("NVIDIA RTX A6000", 8, 6, 51_041_271_808),  # not in train_gpt2.py's table of peaks
+}
+
+
+def report_card(card, setattr, gpus=1):
+    """Make this CPU-only torch report `gpus` of the card: its properties, whence torch's own get_device_name,
+    get_device_capability and is_bf16_supported answer (the last true with emulation on every card, as a bfloat16
+    tensor can be made on each, and false without it below 8.0), and a set_device that checks its argument as the
+    real one does first. setattr: pytest's monkeypatch.setattr, or the builtin in a child process."""
+    from torch.cuda._utils import _get_device_index
+
+    name, major, minor, memory = CARDS[card]
+    properties = type("_CudaDeviceProperties", (), dict(name=name, major=major, minor=minor, total_memory=memory))
+    setattr(torch.cuda, "device_count", lambda: gpus)
+    setattr(torch.cuda, "get_device_properties", lambda device=None: properties)
+    setattr(torch.cuda, "current_device", lambda: 0)
+    setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)
+    setattr(torch.cuda, "set_device", lambda device: _get_device_index(device))

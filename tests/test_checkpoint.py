@@ -46,20 +46,6 @@ def test_resume_is_exact_in_one_process(one_thread, tmp_path, dropout):
     assert_same_weights(resumed.model.state_dict(), straight.model.state_dict())
 
 
-def test_a_checkpoint_written_before_muon_resumes_exactly(one_thread, tmp_path):
-    """Until --optimizer, a checkpoint held AdamW's state alone, not a list, and its config had no optimizer."""
-    straight = run([], tmp_path / "straight")
-    run(["--stop_after_steps", "4"], tmp_path / "resumed")
-    path = tmp_path / "resumed" / "ckpt_4.pt"
-    checkpoint = torch.load(path)
-    [checkpoint["optimizer"]] = checkpoint["optimizer"]
-    del checkpoint["config"]["optimizer"]
-    t.save_checkpoint(str(path), checkpoint, keep=0)
-    resumed = run(["--resume", "auto"], tmp_path / "resumed")
-    assert logged(tmp_path / "resumed") == logged(tmp_path / "straight")
-    assert_same_weights(resumed.model.state_dict(), straight.model.state_dict())
-
-
 def no_room(path):
     """The line for a write that failed: here, past the subprocess's file size limit (conftest.files_limited_to)."""
     return (f"error: cannot write {path} (File too large): make room in {path.parent}, then run the same command "
@@ -214,7 +200,8 @@ def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):
     assert set(checkpoint) == {"model", "model_config", "optimizer", "scaler", "step", "config", "windows_consumed",
                                "train_tokens", "rng"}
     assert checkpoint["model_config"] == {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64,
-                                          "vocab_size": 50304, "dropout": 0.0}
+                                          "vocab_size": 50304, "dropout": 0.0, "loss_chunk_size": 8192,
+                                          "recompute": False}
     assert checkpoint["step"] == 3 and checkpoint["windows_consumed"] == 24
     assert checkpoint["train_tokens"] == 304_222  # tiny Shakespeare's first 90%
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in checkpoint["model"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train_gpt2 as t
-from conftest import ROOT, TINY_ARGS, run_python, run_script
+from conftest import ROOT, TINY_ARGS, report_card, run_python, run_script
 
 
 def one_line_error(result):
@@ -164,7 +164,7 @@ def test_help_explains_every_flag_under_its_section_within_the_terminal():
     assert [name for _, name in flags] == [f"--{field.name}" for field in dataclasses.fields(t.TrainConfig)]
     assert all("(default" in text for text in helps), helps
     assert ("batch", "--micro_batch_size") in flags and ("model", "--dropout") in flags
-    assert any("for MFU (989: H100 SXM bf16)" in text for text in helps)
+    assert any("for MFU (default: the GPU's, from a table of common GPUs)" in text for text in helps)
 
 
 @pytest.mark.parametrize(
@@ -194,8 +194,6 @@ def test_help_explains_every_flag_under_its_section_within_the_terminal():
          "--init_from starts a new run and --resume continues one: drop one"),
         (["--hellaswag_path", "/nowhere/hs.jsonl"],
          "--hellaswag_path /nowhere/hs.jsonl does not exist: give hellaswag_val.jsonl's path"),
-        (["--text_file", "/nowhere/input.txt"],
-         "--text_file /nowhere/input.txt does not exist: give a text file, or --data_dir with fineweb.py's shards"),
     ],
 )
 def test_more_config_mistakes(args, message):
@@ -204,6 +202,13 @@ def test_more_config_mistakes(args, message):
     with pytest.raises(t.ConfigError) as raised:
         t.check_config(t.parse_args(TINY_ARGS + args), world_size=1)
     assert str(raised.value) == message
+
+
+def test_a_missing_text_file_is_one_line(capsys, tmp_path):
+    """Told where the text is read, as the shards' mistakes are (check_config checked both once more)."""
+    assert error_line_in_process(TINY_ARGS + ["--text_file", "/nowhere/input.txt", "--log_dir", str(tmp_path)],
+                                 capsys) == ("error: --text_file /nowhere/input.txt does not exist: give a text file, "
+                                             "or --data_dir with fineweb.py's shards")
 
 
 @pytest.mark.parametrize("mode", [["--generate"], ["--export_hf", "hf", "--init_from", "gpt2"]])
@@ -253,9 +258,9 @@ def test_a_plain_run_on_a_gpu_machine_starts_on_cuda_0(flags, monkeypatch):
     from torch.cuda._utils import _get_device_index
 
     selected, started = [], []
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    report_card("h100", monkeypatch.setattr)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: selected.append(_get_device_index(device)))
-    monkeypatch.setattr(t, "train", lambda cfg, launch, device, stop_signal: started.append(device) or "trained")
+    monkeypatch.setattr(t, "train", lambda cfg, launch, device, stop_signal, notes: started.append(device) or "trained")
     assert t.main(t.parse_args(flags)) == "trained"
     assert selected == [0] and started == ["cuda:0"]
     with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):

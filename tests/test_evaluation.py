@@ -387,14 +387,14 @@ def test_cached_decoding_gives_the_same_logits_and_tokens():
     torch.manual_seed(0)
     model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64))
     tokens = torch.randint(0, 64, (2, 20))
-    cache = t.KVCache(2, 32)
+    cache = t.KVCache(model.config, 2, torch.float32, "cpu")
     with torch.no_grad():
         stepwise = [model.hidden_states(tokens[:, :12], cache, torch.arange(12))[:, -1]]  # the prompt in one call
         stepwise += [model.hidden_states(tokens[:, i : i + 1], cache, torch.tensor([i]))[:, -1]
                      for i in range(12, 20)]  # then one at a time
         full = model.hidden_states(tokens)[:, 11:]
     torch.testing.assert_close(torch.stack(stepwise, dim=1), full, rtol=0, atol=1e-5)
-    assert [tuple(keys.shape) for keys in cache.keys] == [(2, 2, 32, 16)] * 2  # allocated once, for block_size
+    assert tuple(cache.keys.shape) == (2, 2, 2, 32, 16)  # layers, samples, heads, all block_size positions, head_dim
     for length in (10, 29, 30, 50):  # past 29 the text outgrows block_size: both reread the last 32 tokens
         with_cache = t.generate(model, [1, 2, 3], 3, length, 1.0, 20, 7, "cpu", contextlib.nullcontext, True)
         without = t.generate(model, [1, 2, 3], 3, length, 1.0, 20, 7, "cpu", contextlib.nullcontext, False)
@@ -436,6 +436,76 @@ def test_the_compiled_one_token_step_compiles_once_for_the_whole_text():
     compiled = t.generate(model, [1, 2, 3], 3, 40, 1.0, 20, 7, "cpu", contextlib.nullcontext, True, True)
     assert compiled == eager
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+
+
+def test_compiled_generations_of_any_length_share_one_graph_and_one_cache():
+    """A notebook calls generate() again and again: a new graph for another prompt length recompiled the step (its
+    input was a slice of the token buffer, strided by the text's length), and a new cache made CUDA graphs record
+    again. Eager generation keeps no cache: training would hold its memory between samples."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64))
+    calls = [([1, 2, 3], 10), ([4, 5, 6, 7, 8], 20)]  # other prompt lengths, other --max_new_tokens
+
+    def generate(prompt, max_new_tokens, compiled):
+        return t.generate(model, prompt, 3, max_new_tokens, 1.0, 20, 7, "cpu", contextlib.nullcontext, True, compiled)
+
+    eager = [generate(*call, False) for call in calls]
+    assert model not in t.COMPILED_STEP_CACHES
+    torch._dynamo.reset()
+    counters.clear()
+    first = generate(*calls[0], True)
+    cache = t.COMPILED_STEP_CACHES[model]
+    keys, values = cache.keys.data_ptr(), cache.values.data_ptr()
+    second = generate(*calls[1], True)  # into the first call's cache, stale positions and all
+    assert [first, second] == eager  # the tokens of a fresh cache
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"] and not counters["graph_break"]
+    assert t.COMPILED_STEP_CACHES[model] is cache and (cache.keys.data_ptr(), cache.values.data_ptr()) == (keys, values)
+
+
+def test_generation_casts_each_weight_once_under_autocast_not_once_a_token():
+    """autocast drops its cast weights when its context is left: entered per token, it cast every Linear weight
+    again for each token."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64))
+    weights = {p.data_ptr(): name for name, p in model.named_parameters()}
+
+    class WeightCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in weights:
+                casts.append(weights[args[0].data_ptr()])
+            return func(*args, **(kwargs or {}))
+
+    for use_cache in (True, False):
+        casts = []
+        with WeightCasts():
+            t.generate(model, [1, 2, 3], 2, 20, 1.0, 10, 0, "cpu", lambda: torch.autocast("cpu", torch.bfloat16),
+                       use_cache)
+        # every Linear's weight and bias (lm_head's weight is wte's): 4 a block, once each in 20 tokens
+        linears = [name for name in weights.values() if ".attn." in name or ".mlp." in name]
+        assert sorted(casts) == sorted(linears + ["transformer.wte.weight"]), use_cache
+
+
+def test_generation_without_the_cache_leaves_cudnn_attention_out(monkeypatch):
+    """Without the cache every token is a new length, for which cuDNN's attention builds a new plan: 64 tokens/s
+    on an H100. The cache's one-token steps keep one shape, and the backends as they are."""
+    enabled = []
+    attention = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        enabled.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64))
+    for use_cache in (False, True):
+        enabled.clear()
+        t.generate(model, [1, 2, 3], 2, 5, 1.0, 10, 0, "cpu", contextlib.nullcontext, use_cache)
+        assert enabled == [use_cache] * 2 * 5  # 2 layers, 5 tokens
+    assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_eval_only_on_a_runs_checkpoint_takes_its_batch_shape_and_without_hellaswag_gives_the_val_loss(

@@ -78,7 +78,7 @@ def test_flops_per_token_of_gpt2_is_about_860_million():
 
 def loss_and_gradients(chunk_size, autocast_dtype=None):
     model = tiny_model(vocab_size=300)
-    model.loss_chunk_size = chunk_size
+    model.config.loss_chunk_size = chunk_size
     generator = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, 300, (3, 16), generator=generator), torch.randint(0, 300, (3, 16), generator=generator)
     with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
@@ -109,15 +109,15 @@ def test_chunked_loss_without_gradients_is_the_plain_loss():
     x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
     with torch.no_grad():
         plain = model(x, y)
-        model.loss_chunk_size = 5
+        model.config.loss_chunk_size = 5
         torch.testing.assert_close(model(x, y), plain, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("flags, expected", [([], 8192), (["--compile"], 0), (["--loss_chunk_size", "0"], 0),
                                              (["--compile", "--loss_chunk_size", "4096"], 4096)])
 def test_the_loss_is_chunked_unless_compile_fuses_it(flags, expected):
-    cfg = t.parse_args(["--n_layer", "1", "--n_head", "1", "--n_embd", "8", "--generate"] + flags)
-    assert t.build_model(cfg, "cpu").loss_chunk_size == expected
+    cfg, _ = t.settle_defaults(t.parse_args(["--n_layer", "1", "--n_head", "1", "--n_embd", "8"] + flags), t.Launch())
+    assert t.build_model(cfg, "cpu").config.loss_chunk_size == expected
 
 
 @pytest.mark.parametrize("chunk_size, recompute", [(0, False), (5, False), (0, True)])
@@ -125,7 +125,7 @@ def test_the_training_forward_is_one_graph_for_torch_compile(chunk_size, recompu
     """A graph break would split what compile fuses on a GPU; fullgraph=True turns any break into an error.
     The eager backend runs dynamo's capture without generating kernels, so the loss is the eager one exactly."""
     model = tiny_model(vocab_size=300)
-    model.loss_chunk_size, model.recompute_blocks = chunk_size, recompute
+    model.config.loss_chunk_size, model.config.recompute = chunk_size, recompute
     x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         captured = torch.compile(model, fullgraph=True, backend="eager")(x, y)
@@ -146,7 +146,7 @@ def test_recompute_runs_each_block_again_in_backward_for_the_same_loss_and_gradi
         block.register_forward_pre_hook(lambda *args: block_calls.append(1))  # recomputing may stop early
     results = []
     for recompute in (False, True):
-        model.recompute_blocks = recompute
+        model.config.recompute = recompute
         model.zero_grad()
         block_calls.clear()
         loss = model(x, y)

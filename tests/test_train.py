@@ -157,7 +157,7 @@ def test_cuda_summary_has_mfu_and_both_memory_peaks(monkeypatch):
     """The CUDA branch of the summary, with the CUDA memory counters stubbed: 124M's figures at 1,100 ms a step."""
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 25 * 2**30)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 27.5 * 2**30)
-    cfg = t.parse_args([])
+    cfg = t.parse_args(["--peak_tflops", "989"])  # an H100's
     flops_per_step = 860e6 * 524_288
     summary = t.step_summary([5000.0, 3000.0, 2000.0, 1100.0, 1000.0, 1200.0], 524_288, flops_per_step, cfg, "cuda",
                              world_size=1)

@@ -1,0 +1,120 @@
+"""What a plain run chooses on the GPUs people own (precision, compile, the peak for MFU), with each card's
+properties reported to this CPU-only torch by a stand-in (conftest.report_card)."""
+
+import pytest
+import torch
+import torch._dynamo  # before the stand-in Triton: importing it imports a Triton it finds
+import torch._inductor.exc
+import torch.utils._triton
+from conftest import TINY_ARGS, report_card
+
+import train_gpt2 as t
+
+GPU_ARGS = [arg for arg in TINY_ARGS if arg not in ("--device", "cpu")]  # the user's command: no --device
+
+
+class FirstStep(Exception):
+    """Raised where the first step would begin, after the start line."""
+
+
+@pytest.fixture
+def gpu(monkeypatch, tmp_path, capsys):
+    """run(card, flags): main() on that card through the start line; (lines printed, autocast dtype or None,
+    the GradScaler on?). Triton is installed and gcc on the PATH, as with pip's CUDA build of torch on Linux."""
+    monkeypatch.setattr(torch.utils._triton, "has_triton_package", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    build_model = t.build_model
+    monkeypatch.setattr(t, "build_model", lambda cfg, device: build_model(cfg, "cpu"))  # its weights on the CPU
+    seen = {}
+
+    def first_step(model, loader, accum_steps, device, autocast, scaler, sync_last_only):
+        with autocast():
+            seen.update(dtype=torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None)
+        seen.update(scaler=scaler.is_enabled())
+        raise FirstStep
+
+    monkeypatch.setattr(t, "forward_backward", first_step)
+
+    def run(card, flags=()):
+        report_card(card, monkeypatch.setattr)
+        with pytest.raises(FirstStep):
+            t.main(t.parse_args(GPU_ARGS + ["--log_dir", str(tmp_path / card)] + list(flags)))
+        return capsys.readouterr().out.splitlines(), seen["dtype"], seen["scaler"]
+
+    return run
+
+
+def start(card, detail):
+    return f"device cuda:0, {card} ({detail}), 1 process(es); 1,637,248 parameters; 256 tokens per step"
+
+
+@pytest.mark.parametrize("card, name, bfloat16, peak", [
+    ("h100", "NVIDIA H100 80GB HBM3", True, 989), ("a100", "NVIDIA A100-SXM4-80GB", True, 312),
+    ("4090", "NVIDIA GeForce RTX 4090", True, 165), ("v100", "Tesla V100-SXM2-16GB", False, 125),
+    ("t4", "Tesla T4", False, 65)])
+def test_cards_that_run_triton_compile_and_pick_bfloat16_only_where_they_have_it(gpu, card, name, bfloat16, peak):
+    """torch.cuda.is_bf16_supported() is true on all five (it counts emulation): the V100 and T4 took bfloat16,
+    which they emulate slowly and Inductor declines to compile."""
+    lines, dtype, scaler = gpu(card)
+    assert torch.cuda.is_bf16_supported() and torch.cuda.is_bf16_supported(including_emulation=False) == bfloat16
+    assert torch._dynamo.device_interface.CudaInterface.is_triton_capable(0)  # torch's own check passes
+    dtype_name = "bfloat16" if bfloat16 else "float16"
+    assert lines[0].startswith(start(name, f"{dtype_name}, compile on, MFU against {peak} TFLOP/s")), lines
+    assert dtype == getattr(torch, dtype_name) and scaler == (not bfloat16)  # float16 needs the loss scaler
+
+
+def test_h100_a100_4090_under_dtype_float32_are_measured_against_their_tf32_peak(gpu):
+    for card, peak in (("h100", 495), ("a100", 156), ("4090", 82.6)):
+        lines, dtype, _ = gpu(card, ["--dtype", "float32"])
+        assert f"(float32, compile on, MFU against {peak:g} TFLOP/s)" in lines[0] and dtype is None
+
+
+def test_1080_runs_float16_without_compile_and_says_why(gpu):
+    """The GTX 1080 Ti (6.1): Triton, and so compile, needs 7.0; its first compiled step raised GPUTooOldForTriton."""
+    lines, dtype, scaler = gpu("1080")
+    with pytest.raises(torch._inductor.exc.GPUTooOldForTriton):
+        torch._dynamo.device_interface.CudaInterface.raise_if_triton_unavailable(0)  # torch's own check refuses it
+    assert lines[0] == ("compile off: Triton needs compute capability 7.0 or more, this GPU has 6.1 (on an H100 "
+                        "compile trains 1.54x faster: 489k against 317k tokens/s)")
+    assert lines[1].startswith(start("NVIDIA GeForce GTX 1080 Ti", "float16, compile off, MFU against 11.3 TFLOP/s"))
+    assert dtype == torch.float16 and scaler
+
+
+@pytest.mark.parametrize("card, flags, message", [
+    ("1080", ["--compile"], "--compile cannot run on NVIDIA GeForce GTX 1080 Ti: Triton needs compute capability 7.0 "
+                            "or more, this GPU has 6.1; use --no-compile"),
+    ("v100", ["--dtype", "bfloat16"], "--dtype bfloat16: Tesla V100-SXM2-16GB (compute capability 7.0) has no "
+                                      "bfloat16 arithmetic: use --dtype float16"),
+    ("t4", ["--dtype", "bfloat16"], "--dtype bfloat16: Tesla T4 (compute capability 7.5) has no bfloat16 arithmetic: "
+                                    "use --dtype float16"),
+])
+def test_what_a_card_cannot_do_is_one_line_before_any_work(monkeypatch, capsys, card, flags, message):
+    report_card(card, monkeypatch.setattr)
+    monkeypatch.setattr(t, "build_model", None)  # never reached
+    with pytest.raises(SystemExit) as exited:
+        t.main(t.parse_args(GPU_ARGS + flags))
+    assert exited.value.code == 2 and capsys.readouterr() == ("", f"error: {message}\n")
+
+
+def test_a_machine_without_a_c_compiler_trains_without_compile(gpu, monkeypatch, tmp_path, capsys):
+    """Triton builds its launcher with $CC, else gcc, else clang: a slim container may have none."""
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang
+    lines, _, _ = gpu("h100")
+    assert lines[0] == ("compile off: Triton builds with a C compiler and found none (gcc, clang or $CC): install "
+                        "gcc (on an H100 compile trains 1.54x faster: 489k against 317k tokens/s)")
+    assert "(bfloat16, compile off, MFU against 989 TFLOP/s)" in lines[1]
+    monkeypatch.setattr(t, "build_model", None)
+    with pytest.raises(SystemExit):
+        t.main(t.parse_args(GPU_ARGS + ["--compile"]))
+    assert capsys.readouterr().err == ("error: --compile cannot run on NVIDIA H100 80GB HBM3: Triton builds with a C "
+                                       "compiler and found none (gcc, clang or $CC): install gcc; use --no-compile\n")
+
+
+def test_a_card_without_a_known_peak_gets_mfu_only_from_peak_tflops(gpu):
+    lines, _, _ = gpu("a6000")
+    assert "(bfloat16, compile on, no MFU: its peak TFLOP/s is unknown, give --peak_tflops)" in lines[0]
+    lines, _, _ = gpu("a6000", ["--peak_tflops", "155"])
+    assert "(bfloat16, compile on, MFU against 155 TFLOP/s)" in lines[0]
+    lines, _, _ = gpu("a100", ["--peak_tflops", "300"])  # it overrides the table
+    assert "MFU against 300 TFLOP/s" in lines[0]
