@@ -167,10 +167,11 @@ def settle_defaults(cfg: TrainConfig, launch) -> tuple[TrainConfig, list[str]]:
         raise ConfigError(f"--compile cannot run on {card}: {blocker}; use --no-compile")
     notes = [f"compile off: {blocker} ({COMPILE_GAIN})"] if cfg.compile is None and blocker \
         and not cfg.generate else []
-    peaks = [peak for pattern, *peak in PEAK_TFLOPS if gpu and re.search(pattern, card)]
+    # (bfloat16 or float16, float32) TFLOP/s of the first pattern the card's name matches
+    peaks = [peak for pattern, *peak in PEAK_TFLOPS if gpu and re.search(pattern, card)] or [None]
     return dataclasses.replace(
         cfg, device=device, dtype=dtype, compile=compile,
-        peak_tflops=cfg.peak_tflops or (peaks[0][dtype == "float32"] if peaks else None),
+        peak_tflops=cfg.peak_tflops or peaks[0] and peaks[0][1 if dtype == "float32" else 0],
         shuffle=cfg.shuffle if cfg.shuffle is not None else bool(cfg.data_dir),
         # compile fuses the plain loss; without it the full float32 logits are the largest tensor
         loss_chunk_size=cfg.loss_chunk_size if cfg.loss_chunk_size is not None
@@ -307,8 +308,8 @@ class GPT(nn.Module):
 
 
 class KVCache:
-    """keys, values (n_layer, B, n_head, block_size, head_dim), allocated once for every position:
-    each one-token step has the same shapes: an attention plan or a compiled step is made once."""
+    """keys, values (n_layer, B, n_head, block_size, head_dim), allocated once for every position,
+    so that each one-token step has the same shapes: one attention plan, one compiled step."""
 
     def __init__(self, config: GPTConfig, batch_size: int, dtype: torch.dtype, device: str):
         head_dim = config.n_embd // config.n_head
