@@ -11,6 +11,7 @@
     ddp_entry.py nan_loss RANK STEP FLAGS...   train, with rank RANK's loss turning NaN at step STEP (one
                                                micro-step a step)
     ddp_entry.py grad_sync OUT                 one accumulated step both ways; rank 0 saves both gradients
+    ddp_entry.py card NAME FLAGS...            train on a machine of 2 of conftest.CARDS[NAME], as torch reports them
 """
 
 import contextlib
@@ -99,6 +100,13 @@ def grad_sync(out):
     dist.destroy_process_group()
 
 
+def card(name, flags):
+    from conftest import report_card
+
+    report_card(name, setattr, gpus=2)
+    train_gpt2.main(train_gpt2.parse_args(flags))
+
+
 if __name__ == "__main__":
     command, args = sys.argv[1], sys.argv[2:]
     if command == "train":
@@ -113,5 +121,7 @@ if __name__ == "__main__":
         own_folders(args[0], args[1:])
     elif command == "nan_loss":
         nan_loss(args[0], int(args[1]), args[2:])
+    elif command == "card":
+        card(args[0], args[1:])
     else:
         grad_sync(args[0])

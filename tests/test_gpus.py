@@ -7,6 +7,7 @@ import torch._dynamo  # before the stand-in Triton: importing it imports a Trito
 import torch._inductor.exc
 import torch.utils._triton
 from conftest import TINY_ARGS, report_card
+from test_ddp import ENTRY, assert_every_rank_stopped_with_one_line, torchrun
 
 import train_gpt2 as t
 
@@ -94,6 +95,14 @@ def test_what_a_card_cannot_do_is_one_line_before_any_work(monkeypatch, capsys, 
     with pytest.raises(SystemExit) as exited:
         t.main(t.parse_args(GPU_ARGS + flags))
     assert exited.value.code == 2 and capsys.readouterr() == ("", f"error: {message}\n")
+
+
+def test_t4_under_torchrun_every_rank_stops_on_dtype_bfloat16_with_one_line(tmp_path):
+    """Each rank finds the card on its own machine: all stop together, rank 0 says it."""
+    result = torchrun(2, [ENTRY, "card", "t4"] + GPU_ARGS + ["--dtype", "bfloat16", "--log_dir", str(tmp_path)])
+    assert_every_rank_stopped_with_one_line(result, "error: --dtype bfloat16: Tesla T4 (compute capability 7.5) has "
+                                                    "no bfloat16 arithmetic: use --dtype float16")
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
 
 
 def test_a_machine_without_a_c_compiler_trains_without_compile(gpu, monkeypatch, tmp_path, capsys):
