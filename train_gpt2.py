@@ -9,8 +9,8 @@ The recipe comes first (config to evaluation), then the plumbing a real run need
 import argparse
 import contextlib
 import dataclasses
-import functools
 import datetime
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -778,7 +778,9 @@ def generate(model: GPT, prompt_tokens: list[int], num_samples: int, max_new_tok
                 new = next_token(model, tokens[:, :length], cache,
                                  torch.arange(length, device=device), noise, temperature)
             else:  # the newest token alone: (B, 1), the same shape and strides every time
-                new = step(model, new, cache, position, noise, temperature)
+                # a copy: given back to the CUDA graph that made it, its output would be an input
+                # the graph's next run overwrites, and the step would record anew
+                new = step(model, new.clone(), cache, position, noise, temperature)
                 position += 1
             tokens[:, length] = new[:, 0]
     model.train()
@@ -1061,11 +1063,7 @@ def load_token_streams(cfg: TrainConfig) -> tuple[TokenStream, TokenStream]:
 
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
-
-
 HELLASWAG_CACHE = os.path.expanduser("~/.cache/train_gpt2/hellaswag_val.jsonl")
-
-
 # Tokens per scoring batch, padding included. Only ending tokens (about a quarter) get logits:
 # 2048 x 50304 float32 logits take 0.4 GiB
 HELLASWAG_BATCH_TOKENS = 8192
@@ -1646,8 +1644,8 @@ class MetricsLog:
         if self.tensorboard:
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 
-            self.board_path = os.path.join(os.path.dirname(self.path), "events.out.tfevents."
-                                           f"{time.time():.0f}.{socket.gethostname()}.{os.getpid()}")
+            name = f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}"
+            self.board_path = os.path.join(os.path.dirname(self.path), name)
             # TensorBoard drops the events from this step on: a resumed run's curves go on from
             # its checkpoint, without what the stopped run wrote after it
             restart = Event(step=resume_step or 0, session_log=SessionLog(status=SessionLog.START))
@@ -1659,8 +1657,9 @@ class MetricsLog:
 
         with failed_write_is_one_line(self.board_path, RESUME_AUTO), \
                 open(self.board_path, "ab") as f:
+            writer = RecordWriter(f)
             for event in events:
-                RecordWriter(f).write(event.SerializeToString())
+                writer.write(event.SerializeToString())
 
     def say(self, line: str) -> None:
         if self.active:
