@@ -80,7 +80,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 # ----------------------------------------------------------------------------- reading documents
 
-
 def read_jsonl(path: str, text_field: str):
     with (gzip.open if path.endswith(".gz") else open)(path, "rt", encoding="utf-8") as lines:
         for number, line in enumerate(lines, start=1):
@@ -243,7 +242,6 @@ def last_note_within(notes: collections.deque, documents: int) -> dict | None:
 
 # ----------------------------------------------------------------------------- tokenizing
 
-
 @functools.cache
 def gpt2_encoding():
     import tiktoken
@@ -335,7 +333,6 @@ def tokenizing(documents, workers: int):
 
 # ----------------------------------------------------------------------------- writing shards
 
-
 def shard_path(out_dir: str, prefix: str, index: int) -> str:
     split = "val" if index == 0 else "train"  # the first shard is held out for validation
     return os.path.join(out_dir, f"{prefix}_{split}_{index:06d}.npy")
@@ -398,7 +395,6 @@ def write_shards(token_arrays, out_dir: str, prefix: str, shard_size: int,
 
 
 # ----------------------------------------------------------------------------- the marker, --resume
-
 
 def shard_files(out_dir: str) -> list[str]:
     """What a loader could read, and a stopped run's leftovers."""
@@ -471,7 +467,6 @@ def clear_out_dir(out_dir: str, overwrite: bool) -> None:
 
 
 # ----------------------------------------------------------------------------- main
-
 
 def main(cfg: argparse.Namespace) -> tuple[int, int, int]:
     paths = input_files(cfg.input) if cfg.input else None

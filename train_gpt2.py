@@ -45,10 +45,10 @@ TINY_SHAKESPEARE_URL = (
     "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
 )
 GPT2_VOCAB_SIZE = 50257
-END_OF_TEXT = 50256  # <|endoftext|>: it separates documents, and an empty prompt starts from it
-UNTIMED_STEPS = 3  # first steps (compilation, allocator warm-up): left out of the speed summary
+END_OF_TEXT = 50256  # <|endoftext|>: between documents; an empty prompt starts from it
+UNTIMED_STEPS = 3  # first steps (compilation, warm-up): left out of the speed summary
 
-# (n_layer, n_head, n_embd) of the four published GPT-2 models
+# (n_layer, n_head, n_embd) of the published GPT-2 models
 MODEL_SHAPES = {
     "gpt2": (12, 12, 768),  # 124M
     "gpt2-medium": (24, 16, 1024),  # 350M
@@ -58,18 +58,17 @@ MODEL_SHAPES = {
 
 
 class ConfigError(Exception):
-    """A user mistake (or a run its settings made diverge): printed as one line, exit status 2."""
+    """A user mistake (or a run its settings made diverge): one line, exit status 2."""
 
 
 class DownloadError(ConfigError):
     """A file needed from the network could not be fetched."""
 
 
-# ------------------------------------------------------------ config
-
+# ------------------------------ config
 
 def flag(default, help: str, choices=None, section: str | None = None):
-    """A TrainConfig field; section: the --help heading that starts at this flag."""
+    """A TrainConfig field; section: the --help heading starting at this flag."""
     return field(default=default, metadata={"help": help, "choices": choices, "section": section})
 
 
@@ -145,8 +144,8 @@ def model_shape(cfg: TrainConfig) -> tuple[int, int, int]:
 
 
 def settle_defaults(cfg: TrainConfig, launch) -> tuple[TrainConfig, list[str]]:
-    """What a run does on this machine: cfg with every default that depends on the machine or on
-    other flags decided, and the lines that say why a GPU run leaves out part of the recipe."""
+    """cfg with the defaults that depend on the machine or other flags decided, and lines saying
+    why a GPU run leaves out part of the recipe."""
     device = pick_device(cfg.device, launch, torch.cuda.device_count(),
                          torch.backends.mps.is_available())
     gpu = device.startswith("cuda")
@@ -155,7 +154,7 @@ def settle_defaults(cfg: TrainConfig, launch) -> tuple[TrainConfig, list[str]]:
     blocker = gpu and compile_blocker(major, minor)
     if gpu:
         torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in float32
-    # bfloat16 arithmetic came with compute capability 8.0; older GPUs emulate it, slowly
+    # bfloat16 arithmetic came with compute capability 8.0; older GPUs emulate it
     bf16 = major >= 8 or torch.version.hip is not None
     dtype = cfg.dtype if cfg.dtype != "auto" else "float32" if not gpu else \
         "bfloat16" if bf16 else "float16"
@@ -167,19 +166,18 @@ def settle_defaults(cfg: TrainConfig, launch) -> tuple[TrainConfig, list[str]]:
         raise ConfigError(f"--compile cannot run on {card}: {blocker}; use --no-compile")
     notes = [f"compile off: {blocker} ({COMPILE_GAIN})"] if cfg.compile is None and blocker \
         and not cfg.generate else []
-    # (bfloat16 or float16, float32) TFLOP/s of the first pattern the card's name matches
+    # (bfloat16 or float16, float32) TFLOP/s of the first pattern the name matches
     peaks = [peak for pattern, *peak in PEAK_TFLOPS if gpu and re.search(pattern, card)] or [None]
     return dataclasses.replace(
         cfg, device=device, dtype=dtype, compile=compile,
         peak_tflops=cfg.peak_tflops or peaks[0] and peaks[0][1 if dtype == "float32" else 0],
         shuffle=cfg.shuffle if cfg.shuffle is not None else bool(cfg.data_dir),
-        # compile fuses the plain loss; without it the full float32 logits are the largest tensor
+        # compile fuses the plain loss; without it, full float32 logits are the largest tensor
         loss_chunk_size=cfg.loss_chunk_size if cfg.loss_chunk_size is not None
         else 0 if compile else 8192), notes
 
 
-# ------------------------------------------------------------ model
-
+# ------------------------------ model
 
 @dataclass
 class GPTConfig:
@@ -189,8 +187,8 @@ class GPTConfig:
     block_size: int = 1024
     vocab_size: int = 50304
     dropout: float = 0.0
-    loss_chunk_size: int = 0  # tokens per slice of the training loss; 0: the plain loss
-    recompute: bool = False  # run each block again in backward instead of keeping its activations
+    loss_chunk_size: int = 0  # tokens a slice of the training loss; 0: the plain loss
+    recompute: bool = False  # rerun each block in backward instead of keeping its activations
 
 
 class CausalSelfAttention(nn.Module):
@@ -207,7 +205,7 @@ class CausalSelfAttention(nn.Module):
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         mask = None
-        if cache is not None:  # generating: attend over the layer's cache, the new k, v written in
+        if cache is not None:  # generating: attend over the layer's cache, new k, v written in
             keys, values, positions, mask = cache  # KVCache.at's
             k, v = keys.index_copy_(2, positions, k), values.index_copy_(2, positions, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None,
@@ -229,7 +227,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-LayerNorm block: x + attn(ln(x)), then x + mlp(ln(x))."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -244,7 +242,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 as published; module names follow OpenAI's checkpoint so its weights map one to one."""
+    """GPT-2 as published; module names follow OpenAI's checkpoint, so its weights map 1:1."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -261,7 +259,7 @@ class GPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self):
-        # GPT-2 paper: scale residual projections by 1/sqrt(N), N = 2 residual adds per block
+        # GPT-2 paper: residual projections scaled by 1/sqrt(N), N = 2 adds per block
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
@@ -273,7 +271,7 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def hidden_states(self, idx, cache: "KVCache | None" = None, positions=None):
-        """idx (B, T) at positions (T,) (default 0 to T - 1) -> (B, T, n_embd), before lm_head."""
+        """idx (B, T) at positions (T,) (default 0 to T - 1) -> (B, T, n_embd) for lm_head."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size "
@@ -284,62 +282,60 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
         for block, layer_cache in zip(self.transformer.h, layer_caches, strict=True):
             if self.config.recompute and torch.is_grad_enabled():
-                # saves x alone for backward, and runs the block again there
+                # keeps x alone for backward, and reruns the block there
                 x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x, layer_cache)
         return self.transformer.ln_f(x)
 
     def forward(self, idx, targets=None):
-        """Logits (B, T, vocab_size) for idx (B, T), or the mean loss if targets (B, T) is given."""
+        """Logits (B, T, vocab_size) for idx (B, T), or the mean loss given targets (B, T)."""
         x = self.hidden_states(idx)
         if targets is None:
             return self.lm_head(x)
         if not self.config.loss_chunk_size:
             logits = self.lm_head(x)  # (B, T, vocab_size)
             return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        # the same loss without the whole logits (a 64 x 1024 micro batch's float32 logits take
-        # 12.3 GiB): the default without compile, which fuses the plain loss instead
-        return chunked_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
-                                     self.config.loss_chunk_size)
+        # the default without compile: the same loss without the full logits (12.3 GiB at 64 x 1024)
+        return ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                         self.config.loss_chunk_size)
 
 
-# ------------------------------------------------------------ generation's key/value cache
-
+# ------------------------------ generation's key/value cache
 
 class KVCache:
-    """keys, values (n_layer, B, n_head, block_size, head_dim), allocated once for every position,
-    so that each one-token step has the same shapes: one attention plan, one compiled step."""
+    """keys, values (n_layer, B, n_head, block_size, head_dim): all positions, so every one-token
+    step has the same shapes (one attention plan, one compiled step)."""
 
     def __init__(self, config: GPTConfig, batch_size: int, dtype: torch.dtype, device: str):
         head_dim = config.n_embd // config.n_head
         shape = (config.n_layer, batch_size, config.n_head, config.block_size, head_dim)
-        # zeros, not empty: a masked position weighs 0 in attention, and 0 x NaN is NaN
+        # zeros, not empty: a masked position weighs 0, and 0 x NaN is NaN
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros_like(self.keys)
         for buffer in (self.keys, self.values):  # written in place: CUDA graphs keep its address
             torch._dynamo.mark_static_address(buffer, guard=False)
 
     def at(self, positions) -> list[tuple]:
-        """(keys, values, positions, visible) a layer; visible (T, block_size): up to each's own."""
+        """(keys, values, positions, visible) a layer; visible (T, block_size): what each sees."""
         visible = positions[:, None] >= torch.arange(self.keys.size(3), device=positions.device)
         return [(keys, values, positions, visible)
                 for keys, values in zip(self.keys, self.values, strict=True)]
 
 
-# ------------------------------------------------------------ the chunked loss: no full logits
-
+# ------------------------------ the chunked loss: no full logits
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of hidden @ weight.T with one (chunk_size, vocab) slice of logits at a
-    time (a 64 x 1024 micro-batch's float32 logits take 12.3 GiB). Gradients are made in forward,
-    since the loss ends the graph; backward only scales them."""
+    """Mean cross-entropy of hidden @ weight.T, a (chunk_size, vocab) slice of logits at a time.
+    The loss ends the graph: gradients are made in forward, backward scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size: int, matmul_dtype: torch.dtype):
-        # hidden (N, C), weight (V, C), targets (N,)
+    def forward(ctx, hidden, weight, targets, chunk_size: int):
+        # hidden (N, C), weight (V, C), targets (N,); matmuls in autocast's dtype, if on
+        device_type, num_rows = hidden.device.type, hidden.size(0)
+        matmul_dtype = (torch.get_autocast_dtype(device_type)
+                        if torch.is_autocast_enabled(device_type) else weight.dtype)
         wants_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        num_rows = hidden.size(0)
         matmul_weight = weight.to(matmul_dtype)
         loss_sum = torch.zeros((), device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if wants_grad else None
@@ -350,7 +346,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
             logits = (chunk_hidden @ matmul_weight.t()).float()  # (chunk, V): the only logits held
             chunk_targets = targets[rows]
             target_logits = logits.gather(1, chunk_targets[:, None])  # (chunk, 1)
-            # log-sum-exp in place (torch.logsumexp would make a second (chunk, V) tensor)
+            # log-sum-exp in place (torch.logsumexp makes a second (chunk, V) tensor)
             row_max = logits.amax(dim=-1, keepdim=True)
             exp_shifted = logits.sub_(row_max).exp_()
             sum_exp = exp_shifted.sum(dim=-1, keepdim=True)
@@ -369,15 +365,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None
-
-
-def chunked_cross_entropy(hidden, weight, targets, chunk_size: int):
-    device_type = hidden.device.type
-    autocast_on = torch.is_autocast_enabled(device_type)
-    matmul_dtype = torch.get_autocast_dtype(device_type) if autocast_on else weight.dtype
-    with torch.autocast(device_type, enabled=False):  # the function casts for itself
-        return ChunkedCrossEntropy.apply(hidden, weight, targets, chunk_size, matmul_dtype)
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -385,31 +373,27 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def flops_per_token(model_config: GPTConfig, num_params: int, seq_len: int) -> int:
-    """Training FLOPs per token: 6N for the matmuls plus 12 L T C for attention (PaLM, App. B)."""
+    """Training FLOPs a token: 6N for the matmuls, 12 L T C for attention (PaLM, App. B)."""
     return 6 * num_params + 12 * model_config.n_layer * seq_len * model_config.n_embd
 
 
-def model_flops_utilization(flops_per_step: float, step_ms: float, peak_tflops: float,
-                            world_size: int) -> float:
+def model_flops_utilization(flops_per_step, step_ms, peak_tflops, world_size) -> float:
     return flops_per_step * 1000 / step_ms / (world_size * peak_tflops * 1e12)
 
 
-# ------------------------------------------------------------ data
-
+# ------------------------------ data
 
 class DataLoader:
-    """(B, T) batches of windows of T + 1 tokens (x = window[:-1], y = window[1:]); window k starts
-    at token k*T. The position is one number: rank r of W reads the B windows from position + r*B,
-    all advance W*B, so a checkpoint resumes at any world size. Shuffled, each epoch visits the
-    windows in a permutation drawn from (seed, epoch) alone."""
+    """(B, T) batches of windows of T + 1 tokens (x = window[:-1], y = window[1:]) from token k*T.
+    Rank r of W reads B windows from position + r*B, all advance W*B: resumable at any world size.
+    Shuffled: each epoch's order from (seed, epoch) alone."""
 
-    def __init__(self, stream: "TokenStream", batch_size: int, seq_len: int, rank: int,
-                 world_size: int, shuffle: bool, seed: int):
+    def __init__(self, stream: "TokenStream", batch_size, seq_len, rank, world_size, shuffle, seed):
         self.num_windows = max(0, stream.num_tokens - 1) // seq_len
         self.stream, self.batch_size, self.seq_len = stream, batch_size, seq_len
         self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
         self.windows_consumed = 0
-        self.problem = None  # token ids beyond GPT-2's vocabulary: another tokenizer's shards
+        self.problem = None  # ids beyond GPT-2's vocabulary: another tokenizer's shards
         self._order_epoch, self._order = None, None
 
     @property
@@ -417,7 +401,7 @@ class DataLoader:
         return self.windows_consumed // self.num_windows
 
     def window_order(self, epoch: int) -> np.ndarray:
-        """The window numbers in this epoch's order (8 bytes a window, drawn once)."""
+        """This epoch's window order (8 bytes a window, drawn once)."""
         if self._order_epoch != epoch:
             rng = np.random.default_rng([self.seed, epoch])
             self._order_epoch, self._order = epoch, rng.permutation(self.num_windows)
@@ -438,8 +422,7 @@ class DataLoader:
                 f"{self.stream.name_at(starts[row] + column)} holds token id {windows[row, column]}"
                 f", beyond GPT-2's {GPT2_VOCAB_SIZE} tokens (made with another tokenizer?): "
                 "remake the shards with fineweb.py")
-            # on a GPU such an id is a device-side assert that ends the process: clipped, until
-            # every rank stops together at the end of the step
+            # on a GPU such an id is a fatal device-side assert: clipped, until all ranks stop
             np.minimum(windows, GPT2_VOCAB_SIZE - 1, out=windows)
         self.windows_consumed += self.world_size * B
         windows = torch.from_numpy(windows)
@@ -447,27 +430,25 @@ class DataLoader:
 
 
 def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
-    """On CUDA through pinned memory: a copy from pageable memory waits for all queued GPU work."""
-    if device.startswith("cuda"):
-        return batch.pin_memory().to(device, non_blocking=True)
-    return batch.to(device)
+    """On CUDA via pinned memory: a copy from pageable memory waits for all queued GPU work."""
+    pinned = device.startswith("cuda")
+    return (batch.pin_memory() if pinned else batch).to(device, non_blocking=pinned)
 
 
-# ------------------------------------------------------------ distributed setup
+# ------------------------------ distributed setup
 
-# Backstop for a peer that never arrives; must outlast rank 0 writing a checkpoint alone (10 s at
-# 124M, minutes at gpt2-xl). A crashed peer is noticed within a second, and torchrun ends the rest.
+# For a peer that never arrives; outlasts rank 0 writing a checkpoint alone (minutes at gpt2-xl).
+# A crashed peer is noticed within a second, and torchrun ends the rest.
 DIST_TIMEOUT = datetime.timedelta(minutes=20)
 
 
 @dataclass
 class Launch:
-    """Where this process sits in the job. A plain `python train_gpt2.py` run is rank 0 of 1."""
-
+    """Where this process sits in the job; `python train_gpt2.py` is rank 0 of 1."""
     rank: int = 0
     local_rank: int = 0  # rank within this machine: picks the GPU
     world_size: int = 1
-    torchrun: bool = False  # started by torchrun: a process group is needed, even for one process
+    torchrun: bool = False  # under torchrun: a process group, even for one process
     local_world_size: int = 1  # processes on this machine
 
 
@@ -502,8 +483,8 @@ def pick_device(requested: str, launch: Launch, gpu_count: int, mps_available: b
     return "cuda:0" if requested == "cuda" else requested  # torch.cuda.set_device needs an index
 
 
-def init_distributed(launch: Launch, device: str) -> None:
-    """Under torchrun join the process group: gloo for CPU tensors (problems), NCCL for CUDA's."""
+def init_distributed(launch: Launch, device: str):
+    """Under torchrun join the process group: gloo for CPU tensors, NCCL for CUDA's."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # no stray context on GPU 0
     if launch.torchrun:
@@ -520,16 +501,15 @@ def gather(value, launch: Launch) -> list:
     return values
 
 
-def first_problem(problems: list[str | None]) -> ConfigError | None:
-    """The lowest rank's problem, for every rank to raise: they stop together, rank 0 says it."""
+def raise_first_problem(problems: list[str | None]):
+    """Raise the lowest rank's problem, if any, on every rank: rank 0 says it."""
     for rank, problem in enumerate(problems):
         if problem is not None:
-            return ConfigError(problem if rank == 0 else f"{problem} (on rank {rank})")
-    return None
+            raise ConfigError(problem if rank == 0 else f"{problem} (on rank {rank})")
 
 
 def all_reduce_mean(value: torch.Tensor, launch: Launch) -> torch.Tensor:
-    """SUM, then divide: gloo's ReduceOp.AVG came late, with a correctness bug."""
+    """SUM, then divide: gloo's ReduceOp.AVG came late, with a bug."""
     if launch.torchrun:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
@@ -537,15 +517,14 @@ def all_reduce_mean(value: torch.Tensor, launch: Launch) -> torch.Tensor:
     return value
 
 
-# ------------------------------------------------------------ optimizer and schedule
-
+# ------------------------------ optimizer and schedule
 
 def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
     return cfg.total_batch_size // (cfg.micro_batch_size * cfg.seq_len * world_size)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to max_lr (step 0 already trains), cosine decay to the minimum at max_steps."""
+    """Linear warmup to max_lr (step 0 trains), cosine decay to the minimum at max_steps."""
     min_lr = cfg.max_lr * cfg.min_lr_ratio
     if step < cfg.warmup_steps:
         return cfg.max_lr * (step + 1) / cfg.warmup_steps
@@ -555,11 +534,9 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
 
 
-def configure_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool,
-                        sharded: bool = False) -> list[torch.optim.Optimizer]:
-    """AdamW with weight decay on 2-D tensors (matmuls, embeddings) only, not biases or LayerNorms;
-    with --optimizer muon, Muon takes the blocks' matrices instead (the README says why).
-    sharded: ZeRO stage 1; its consolidated state_dict is the plain one's."""
+def configure_optimizer(model, cfg: TrainConfig, fused: bool, sharded=False) -> list:
+    """AdamW, weight decay on 2-D tensors only; --optimizer muon: Muon for the blocks' matrices
+    (the README says why). sharded: ZeRO-1, with the plain state_dict."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     muon_names = {name for name, p in named if cfg.optimizer == "muon" and p.dim() == 2
                   and name.startswith("transformer.h.")}
@@ -567,30 +544,27 @@ def configure_optimizer(model: nn.Module, cfg: TrainConfig, fused: bool,
     params = [p for name, p in named if name not in muon_names]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    # not fused when sharded: a sharded fused AdamW cannot load a checkpoint (PyTorch #124133)
+    # a sharded fused AdamW cannot load a checkpoint (PyTorch #124133)
     adamw = dict(lr=cfg.max_lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                  fused=fused and not sharded)
-    # Muon's update scaled to AdamW's RMS, so that --max_lr and --weight_decay carry over
+    # Muon's update at AdamW's RMS: --max_lr and --weight_decay carry over
     muon = dict(lr=cfg.max_lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw")
     chosen = [(torch.optim.AdamW, groups, adamw)]
     if to_muon:
         chosen.append((torch.optim.Muon, to_muon, muon))
     if sharded:
-        # imported here: it imports FSDP and DTensor, 1.8 s of every start on a 2-core machine
+        # here: it imports FSDP and DTensor, 1.8 s of a start on 2 cores
         from torch.distributed.optim import ZeroRedundancyOptimizer
-
         return [ZeroRedundancyOptimizer(owned, optimizer_class=kind, **options)
                 for kind, owned, options in chosen]
     return [kind(owned, **options) for kind, owned, options in chosen]
 
 
-# ------------------------------------------------------------ training loop
+# ------------------------------ training loop
 
-
-def forward_backward(model, loader: DataLoader, accum_steps: int, device: str, autocast, scaler,
-                     sync_last_only: bool) -> torch.Tensor:
+def forward_backward(model, loader, accum_steps, device, autocast, scaler, sync_last_only):
     """Accumulate one step's mean gradient; returns this rank's mean loss. sync_last_only: DDP
-    all-reduces the summed gradients once, in the last micro-step's backward."""
+    all-reduces in the last micro-step only."""
     step_loss = torch.zeros((), device=device)
     for micro_step in range(accum_steps):
         x, y = (to_device(batch, device) for batch in loader.next_batch())
@@ -613,14 +587,12 @@ class TrainResult:
     records: list[dict]  # what rank 0 logged; empty on other ranks
 
 
-def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict,
-          notes: list[str]) -> TrainResult:
+def train(cfg: TrainConfig, launch: Launch, device, stop_signal: dict, notes) -> TrainResult:
     log = MetricsLog(cfg.log_dir, launch.rank == 0, cfg.tensorboard)
-    # model: compiled and DDP-wrapped where they are on, for forward and backward; raw_model: the
-    # plain one, its weights for clipping, samples and checkpoints
+    # model: compiled and DDP-wrapped where on, for forward and backward; raw_model: the plain one
     (model, raw_model, train_loader, val_loader, optimizers, scaler, autocast, start_step,
-     accum_steps, flops_per_step, hellaswag, tokenizer) = set_up_training(cfg, launch, device, log,
-                                                                          notes)
+     accum_steps, flops_per_step, hellaswag, tokenizer) = set_up_training(
+        cfg, launch, device, log, notes)
     step_ms, epoch, W = [], train_loader.epoch, launch.world_size
 
     for step in range(start_step, cfg.max_steps):
@@ -646,7 +618,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict,
         mfu = cfg.peak_tflops and model_flops_utilization(flops_per_step, elapsed_ms,
                                                           cfg.peak_tflops, W)
         log.train_step(step, cfg, loss, lr, grad_norm, elapsed_ms, mfu)
-        # every rank holds the same averaged loss and gradients: if one stops here, all do
+        # all ranks hold the same loss and gradients: if one stops here, all do
         check_step_finite(step, loss, grad_norm, scaler.is_enabled(), cfg.log_dir)
         if train_loader.epoch > epoch:
             epoch = train_loader.epoch
@@ -676,8 +648,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict,
         if stop or pause:
             reason = "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}"
             log.say(f"stopped by {reason} after step {step}, checkpoint {cfg.log_dir}/ckpt_"
-                    f"{steps_done}.pt written: to continue, run the same command with --resume "
-                    "auto")
+                    f"{steps_done}.pt written: to continue, {RESUME_AUTO}")
             break
 
     if not step_ms:
@@ -690,13 +661,11 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict,
     return TrainResult(raw_model, log.records)
 
 
-# ------------------------------------------------------------ evaluation
-
+# ------------------------------ evaluation
 
 @torch.no_grad()
-def estimate_val_loss(model, loader: DataLoader, eval_steps: int, accum_steps: int, device: str,
-                      autocast, launch: Launch) -> float:
-    """Mean loss over the first eval_steps validation steps: the same tokens every time."""
+def estimate_val_loss(model, loader, eval_steps, accum_steps, device, autocast, launch) -> float:
+    """Mean loss of the first eval_steps validation steps: the same tokens every time."""
     model.eval()
     loader.windows_consumed = 0
     step_losses = torch.zeros(eval_steps, device=device)
@@ -710,9 +679,8 @@ def estimate_val_loss(model, loader: DataLoader, eval_steps: int, accum_steps: i
 
 
 def next_token(model: GPT, idx, cache: KVCache | None, positions, noise, temperature: float):
-    """The token after idx (B, T) at positions (T,), drawn among the top k: argmax(p / E), E the
-    noise (B, k) of Exp(1) draws, is a sample of p (torch.multinomial's way, without its check
-    that waits for the device). Returns (B, 1)."""
+    """(B, 1): the token after idx (B, T) at positions (T,), from the top k: argmax(p / E), E Exp(1)
+    noise (B, k), samples p as torch.multinomial does, without waiting for the device."""
     hidden = model.hidden_states(idx, cache, positions)[:, -1]  # (B, n_embd)
     logits = model.lm_head(hidden)[:, :GPT2_VOCAB_SIZE].float() / temperature  # no padding row
     top_logits, top_ids = torch.topk(logits, noise.size(1), dim=-1)
@@ -720,14 +688,14 @@ def next_token(model: GPT, idx, cache: KVCache | None, positions, noise, tempera
     return top_ids.gather(-1, choice)
 
 
-# left out of --generate's tokens/s: the prompt's pass, the step's compile and CUDA graph record
+# left out of --generate's tokens/s: the prompt's pass, compile, CUDA graph record
 GENERATE_WARMUP_TOKENS = 3
-# a compiled step's cache, kept with its model: a new one would be a new CUDA graph to record
+# a compiled step's cache, kept with its model: a new one is a new CUDA graph to record
 COMPILED_STEP_CACHES = weakref.WeakKeyDictionary()
 
 
 def generation_cache(model: GPT, batch_size: int, dtype, device: str, keep: bool) -> KVCache:
-    """A new cache, or with keep the model's kept one where it has this batch size and dtype."""
+    """A new cache, or with keep the model's kept one if it has this batch size and dtype."""
     cache = COMPILED_STEP_CACHES.get(model) if keep else None
     if cache is None or (cache.keys.size(1), cache.keys.dtype) != (batch_size, dtype):
         cache = KVCache(model.config, batch_size, dtype, device)
@@ -737,49 +705,44 @@ def generation_cache(model: GPT, batch_size: int, dtype, device: str, keep: bool
 
 
 @torch.no_grad()
-def generate(model: GPT, prompt_tokens: list[int], num_samples: int, max_new_tokens: int,
-             temperature: float, top_k: int, seed: int, device: str, autocast,
-             use_cache: bool = True, compile_step: bool = False,
-             timing: dict | None = None) -> list[list[int]]:
-    """Sample continuations with a private generator (the training RNG is untouched); an empty
-    prompt starts from <|endoftext|>, as GPT-2's did. Past block_size, each token rereads the last
-    block_size, with the cache or without. The tokens come back once: nothing waits between."""
+def generate(model: GPT, prompt_tokens: list[int], num_samples, max_new_tokens, temperature, top_k,
+             seed, device, autocast, use_cache=True, compile_step=False, timing=None) -> list:
+    """Continuations from a private generator (training's RNG untouched); an empty prompt starts
+    from <|endoftext|>, as GPT-2's did. Past block_size, each token rereads the last block_size.
+    Nothing waits for the device until the end."""
     model.eval()
     context, block_size = prompt_tokens or [END_OF_TEXT], model.config.block_size
-    tokens = torch.zeros(num_samples, len(context) + max_new_tokens, dtype=torch.long,
-                         device=device)
-    tokens[:, : len(context)] = torch.tensor(context)
+    tokens = F.pad(torch.tensor(context, device=device), (0, max_new_tokens)).repeat(num_samples, 1)
     generator = torch.Generator(device=device).manual_seed(seed)
     top_k = min(top_k, model.config.vocab_size, GPT2_VOCAB_SIZE)
-    position = torch.tensor([len(context)], device=device)  # the one-token step's: +1 in place
+    position = torch.tensor([len(context)], device=device)  # the one-token step's, +1 in place
     step = next_token  # compiled: once for all lengths and calls, with CUDA graphs on CUDA
     if compile_step:
         step = torch.compile(next_token, fullgraph=True,
                              mode="reduce-overhead" if device.startswith("cuda") else None)
-    with autocast():  # entered once: each weight is cast once a generation, not once a token
+    with autocast():  # once: each weight is cast once a generation, not once a token
         device_type = torch.device(device).type
         dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
-                 else torch.get_default_dtype())  # the dtype of the keys and values
+                 else torch.get_default_dtype())  # of the keys and values
         cache = generation_cache(model, num_samples, dtype, device, compile_step) if use_cache \
             else None
         started = time.perf_counter()
         for length in range(len(context), tokens.size(1)):  # tokens so far
             if timing is not None and length == len(context) + GENERATE_WARMUP_TOKENS:
-                tokens[0, length - 1].item()  # for the clock alone: waits for the warm-up to end
+                tokens[0, length - 1].item()  # for the clock alone: waits for the warm-up
                 timing["warm_up_s"], started = time.perf_counter() - started, time.perf_counter()
             noise = torch.empty(num_samples, top_k, device=device).exponential_(generator=generator)
             if cache is None or length > block_size:  # the last block_size tokens, all again
                 window = tokens[:, max(0, length - block_size) : length]
-                # cuDNN would plan its attention anew for each new length
+                # cuDNN would plan anew for each length
                 with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                                   SDPBackend.MATH]):
                     new = next_token(model, window, None, None, noise, temperature)
             elif length == len(context):  # the prompt fills the cache
                 new = next_token(model, tokens[:, :length], cache,
                                  torch.arange(length, device=device), noise, temperature)
-            else:  # the newest token alone: (B, 1), the same shape and strides every time
-                # a copy: given back to the CUDA graph that made it, its output would be an input
-                # the graph's next run overwrites, and the step would record anew
+            else:  # the newest token alone: (B, 1), the same shape and strides
+                # a copy: the graph's own output, as input, is what its next run overwrites
                 new = step(model, new.clone(), cache, position, noise, temperature)
                 position += 1
             tokens[:, length] = new[:, 0]
@@ -790,8 +753,7 @@ def generate(model: GPT, prompt_tokens: list[int], num_samples: int, max_new_tok
     return samples
 
 
-def print_samples(model: GPT, tokenizer, cfg: TrainConfig, device: str, autocast,
-                  compile_step: bool = False, timing: dict | None = None) -> list[str]:
+def print_samples(model: GPT, tokenizer, cfg, device, autocast, compile_step=False, timing=None):
     samples = generate(model, tokenizer.encode_ordinary(cfg.prompt), cfg.num_samples,
                        cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.seed, device, autocast,
                        cfg.kv_cache, compile_step, timing)
@@ -802,29 +764,22 @@ def print_samples(model: GPT, tokenizer, cfg: TrainConfig, device: str, autocast
 
 
 @torch.no_grad()
-def hellaswag_choices(model: GPT, tokens: torch.Tensor, mask: torch.Tensor, autocast):
-    """Per example (rows 4i to 4i + 3): the ending of lowest summed loss (acc) and of lowest mean
-    loss per token (acc_norm), each (n,). Only positions that predict ending tokens get logits."""
-    rows, positions = mask[:, 1:].nonzero(as_tuple=True)  # position i predicts token i + 1
-    with autocast():
-        hidden = model.hidden_states(tokens)[rows, positions]  # (ending tokens, n_embd)
-        logits = model.lm_head(hidden)
-    losses = F.cross_entropy(logits.float(), tokens[rows, positions + 1], reduction="none")
-    summed = torch.zeros(len(tokens), device=tokens.device).index_add_(0, rows, losses).view(-1, 4)
-    mean = summed / mask[:, 1:].sum(dim=1).view(-1, 4)
-    return summed.argmin(dim=1), mean.argmin(dim=1)
-
-
-def evaluate_hellaswag(model: GPT, batches: list[tuple], device: str, autocast,
-                       launch: Launch) -> dict:
+def evaluate_hellaswag(model: GPT, batches: list[tuple], device, autocast, launch) -> dict:
+    """acc: the ending of lowest summed loss is right; acc_norm: of lowest mean loss a token.
+    Only positions that predict ending tokens get logits."""
     model.eval()
-    counts = torch.zeros(3, device=device)  # examples, right by summed loss, right by mean loss
-    for tokens, mask, labels in batches:
-        by_sum, by_mean = hellaswag_choices(model, to_device(tokens, device),
-                                            to_device(mask, device), autocast)
-        labels = to_device(labels, device)
-        counts[0] += len(labels)
-        counts[1:] += torch.stack([(by_sum == labels).sum(), (by_mean == labels).sum()])
+    counts = torch.zeros(3, device=device)  # examples, right by summed, by mean loss
+    for batch in batches:  # tokens, mask (4n, L): example i in rows 4i to 4i + 3
+        tokens, mask, labels = (to_device(tensor, device) for tensor in batch)
+        rows, positions = mask[:, 1:].nonzero(as_tuple=True)  # position i predicts token i + 1
+        with autocast():
+            hidden = model.hidden_states(tokens)[rows, positions]  # (ending tokens, n_embd)
+            logits = model.lm_head(hidden)
+        losses = F.cross_entropy(logits.float(), tokens[rows, positions + 1], reduction="none")
+        summed = torch.zeros(len(tokens), device=device).index_add_(0, rows, losses).view(-1, 4)
+        mean = summed / mask[:, 1:].sum(dim=1).view(-1, 4)
+        right = [(losses.argmin(dim=1) == labels).sum() for losses in (summed, mean)]
+        counts += torch.stack([torch.tensor(len(labels), device=device), *right])
     model.train()
     if launch.torchrun:
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
@@ -833,8 +788,7 @@ def evaluate_hellaswag(model: GPT, batches: list[tuple], device: str, autocast,
             "hellaswag_acc_norm": right_norm / total}
 
 
-# ------------------------------------------------------------ the command line and the machine
-
+# ------------------------------ the command line and the machine
 
 class _OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message):  # argparse would print its usage and exit
@@ -842,16 +796,15 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
-    """Every TrainConfig field as a --flag; an --init_from checkpoint's batch shape unless given."""
+    """Every TrainConfig field a --flag; an --init_from checkpoint's batch shape unless given."""
     parser = _OneLineErrorParser(
         description="Pretrain GPT-2 (defaults: the 124M recipe on GPUs).", usage="%(prog)s [flags]",
         formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=32))
     for f in dataclasses.fields(TrainConfig):
         if f.metadata["section"]:
             group = parser.add_argument_group(f.metadata["section"])
-        help_text = f.metadata["help"]
-        if "(default" not in help_text:
-            help_text += f" (default: {f.default})"
+        help_text = f.metadata["help"]  # with the default, unless it says it
+        help_text += "" if "(default" in help_text else f" (default: {f.default})"
         if f.type in (bool, bool | None):
             group.add_argument(f"--{f.name}", action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)
@@ -863,7 +816,7 @@ def parse_args(argv: list[str]) -> TrainConfig:
     given = vars(parser.parse_args(argv))  # only the flags on the command line
     cfg = TrainConfig(**given)
     if os.path.isfile(cfg.init_from):
-        with contextlib.suppress(Exception):  # a file that cannot be read: loading it says why
+        with contextlib.suppress(Exception):  # unreadable: loading it says why
             saved = torch.load(cfg.init_from, map_location="cpu", weights_only=True, mmap=True)
             for name in ("seq_len", "micro_batch_size", "total_batch_size", "eval_steps"):
                 if name not in given and isinstance(saved, dict):
@@ -871,22 +824,20 @@ def parse_args(argv: list[str]) -> TrainConfig:
     return cfg
 
 
-# Dense tensor-core TFLOP/s in the vendors' datasheets, for MFU: (pattern of the name torch
-# reports, bfloat16 or float16, float32 as TF32). GeForce: with float32 accumulation, as autocast's.
+# Dense tensor-core TFLOP/s from datasheets, for MFU: (pattern of torch's name for the card,
+# bfloat16 or float16, float32 as TF32). GeForce: with float32 accumulation, as autocast's.
 PEAK_TFLOPS = [
     (r"H100 80GB HBM3|H100 SXM", 989, 495), (r"H100 PCIe", 756, 378), (r"H200$", 989, 495),
     (r"A100", 312, 156), (r"\bA10$", 125, 62.5), (r"\bL4$", 121, 60), (r"L40S$", 362, 183),
     (r"RTX 3090$", 71, 35.6), (r"RTX 4090$", 165, 82.6), (r"V100-SXM", 125, 15.7),
     (r"V100-PCIE", 112, 14), (r"\bT4$", 65, 8.1),
-    (r"GTX 1080 Ti$", 11.3, 11.3),  # no tensor cores: its float32 rate for both
-]
+    (r"GTX 1080 Ti$", 11.3, 11.3)]  # no tensor cores: its float32 rate for both
 COMPILE_GAIN = "on an H100 compile trains 1.54x faster: 489k against 317k tokens/s"
 
 
 def compile_blocker(major: int, minor: int) -> str | None:
-    """Why torch.compile cannot run on this GPU (Inductor writes Triton kernels), or None."""
+    """Why torch.compile (Inductor writes Triton kernels) cannot run on this GPU, or None."""
     from torch.utils._triton import has_triton_package  # whether `import triton` works
-
     if major < 7:
         return f"Triton needs compute capability 7.0 or more, this GPU has {major}.{minor}"
     if not has_triton_package():
@@ -896,26 +847,25 @@ def compile_blocker(major: int, minor: int) -> str | None:
     return None
 
 
-def check_config(cfg: TrainConfig, world_size: int) -> None:
+def check_config(cfg: TrainConfig, world_size: int):
     shape_flags = [n for n in ("n_layer", "n_head", "n_embd") if getattr(cfg, n) is not None]
     for name in ["block_size", "vocab_size", "total_batch_size", "micro_batch_size", "seq_len",
                  "max_steps", "eval_steps", "num_samples", "top_k"] + shape_flags:
         if getattr(cfg, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
     negative = [f"--{name} {getattr(cfg, name)}" for name in (
-        "eval_every", "sample_every", "hellaswag_every", "ckpt_every", "keep_ckpts",
-        "stop_after_steps", "loss_chunk_size", "max_new_tokens", "grad_clip",
-        "weight_decay", "eps") if (getattr(cfg, name) or 0) < 0]
-    if negative:
-        raise ConfigError(f"{', '.join(negative)}: must be 0 or more")
+        "eval_every", "sample_every", "hellaswag_every", "ckpt_every", "keep_ckpts", "grad_clip",
+        "stop_after_steps", "loss_chunk_size", "max_new_tokens", "weight_decay", "eps")
+        if (getattr(cfg, name) or 0) < 0]
     n_layer, n_head, n_embd = model_shape(cfg)
     micro_step_tokens = cfg.micro_batch_size * cfg.seq_len * world_size
     modes = [f"--{mode}" for mode in ("generate", "eval_only", "export_hf") if getattr(cfg, mode)]
     mistakes = [
+        (negative, f"{', '.join(negative)}: must be 0 or more"),
         (n_embd % n_head, f"--n_embd {n_embd} is not divisible by --n_head {n_head}: pick a width "
-                          "that is"),
+         "that is"),
         (cfg.seq_len > cfg.block_size, f"--seq_len {cfg.seq_len} is longer than --block_size "
-                                       f"{cfg.block_size}: lower --seq_len or raise --block_size"),
+         f"{cfg.block_size}: lower --seq_len or raise --block_size"),
         (cfg.vocab_size < GPT2_VOCAB_SIZE, f"--vocab_size {cfg.vocab_size} is smaller than the "
          f"GPT-2 tokenizer's {GPT2_VOCAB_SIZE} tokens: use at least 50257 (50304 is faster)"),
         (cfg.total_batch_size % micro_step_tokens, f"--total_batch_size {cfg.total_batch_size} is "
@@ -930,23 +880,23 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
         (cfg.optimizer == "muon" and not hasattr(torch.optim, "Muon"), "--optimizer muon needs "
          f"torch.optim.Muon, new in PyTorch 2.9; this is {torch.__version__}: upgrade torch"),
         (not (0 <= cfg.beta1 < 1 and 0 <= cfg.beta2 < 1), f"--beta1 {cfg.beta1} and --beta2 "
-                                                         f"{cfg.beta2} must be in [0, 1)"),
+         f"{cfg.beta2} must be in [0, 1)"),
         (cfg.temperature <= 0, f"--temperature {cfg.temperature} is not above 0"),
-        (cfg.peak_tflops is not None and cfg.peak_tflops <= 0, f"--peak_tflops "
-                                                               f"{cfg.peak_tflops} is not above 0"),
+        (cfg.peak_tflops is not None and cfg.peak_tflops <= 0, f"--peak_tflops {cfg.peak_tflops} "
+         "is not above 0"),
         (cfg.init_from and cfg.resume, "--init_from starts a new run and --resume continues one: "
-                                       "drop one"),
+         "drop one"),
         (cfg.init_from and cfg.init_from not in MODEL_SHAPES and not os.path.isfile(cfg.init_from),
          f"--init_from {cfg.init_from} is neither {', '.join(MODEL_SHAPES)} nor a checkpoint file"),
         (cfg.init_from and shape_flags, f"--init_from {cfg.init_from} sets the model's shape: "
-                                        f"drop {' '.join('--' + name for name in shape_flags)}"),
+         f"drop {' '.join('--' + name for name in shape_flags)}"),
         (len(modes) > 1, f"{' and '.join(modes)} are separate runs: pick one"),
         (cfg.export_hf and not cfg.init_from, "--export_hf needs --init_from with the weights to "
-                                              "export"),
+         "export"),
         (cfg.export_hf and os.path.exists(cfg.export_hf), f"--export_hf {cfg.export_hf} already "
-                                                          "exists: give a new folder"),
+         "exists: give a new folder"),
         ((cfg.generate or cfg.export_hf) and world_size > 1, f"{' '.join(modes)} runs in one "
-                                                             "process: use python, not torchrun"),
+         "process: use python, not torchrun"),
         (cfg.tensorboard and not importlib.util.find_spec("tensorboard"),
          "--tensorboard needs the tensorboard package: pip install tensorboard"),
         (cfg.hellaswag_path and not os.path.isfile(cfg.hellaswag_path),
@@ -958,7 +908,7 @@ def check_config(cfg: TrainConfig, world_size: int) -> None:
 
 
 def check_same_command(cfg: TrainConfig | None, problem: ConfigError | None, launch: Launch):
-    """Raise on every rank flags that differ between ranks, then any rank's problem (cfg None)."""
+    """Raise on every rank flags that differ between ranks, then any rank's problem."""
     posts = gather((problem and str(problem), cfg and dataclasses.asdict(cfg)), launch)
     parsed = [(rank, flags) for rank, (_, flags) in enumerate(posts) if flags is not None]
     differing = [f"--{name} {value} on rank {parsed[0][0]} but {flags[name]} on rank {rank}"
@@ -967,19 +917,16 @@ def check_same_command(cfg: TrainConfig | None, problem: ConfigError | None, lau
     if differing:
         raise ConfigError(f"the processes were started with different flags "
                           f"({', '.join(differing)}): start every machine with the same command")
-    if error := first_problem([problem for problem, _ in posts]):
-        raise error
+    raise_first_problem([problem for problem, _ in posts])
 
 
-# ------------------------------------------------------------ reading tokens and HellaSwag
-
+# ------------------------------ reading tokens and HellaSwag
 
 def gpt2_tokenizer():
-    import tiktoken  # here, so that importing this file does no work
-
+    import tiktoken  # here: importing this file does no work
     try:
         return tiktoken.get_encoding("gpt2")
-    except (OSError, ValueError) as error:  # offline with nothing cached; a damaged file
+    except (OSError, ValueError) as error:  # offline, nothing cached; a damaged file
         raise ConfigError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
                           "downloads its two files once; connect to the network, or set "
                           "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
@@ -1015,7 +962,7 @@ def find_shards(data_dir: str, split: str) -> list[str]:
 
 
 def open_shard(path: str) -> np.ndarray:
-    """Memory-mapped: a batch reads the pages it touches, never the whole shard into RAM."""
+    """Memory-mapped: a batch reads the pages it touches, not the whole shard."""
     try:
         tokens = np.load(path, mmap_mode="r")
     except OSError as error:  # a folder, no permission, a disk error
@@ -1031,7 +978,7 @@ def open_shard(path: str) -> np.ndarray:
 
 
 class TokenStream:
-    """Token arrays (memory-mapped shards, or one in-memory array) read as one sequence."""
+    """Token arrays (memory-mapped shards, or one array) read as one sequence."""
 
     def __init__(self, arrays: list[np.ndarray], names: list[str] | None = None):
         self.arrays, self.names = arrays, names or ["the text"] * len(arrays)
@@ -1053,7 +1000,7 @@ class TokenStream:
 
 
 def load_token_streams(cfg: TrainConfig) -> tuple[TokenStream, TokenStream]:
-    """(train, val): the shards in --data_dir, or the text file split 90/10."""
+    """(train, val): --data_dir's shards, or the text file split 90/10."""
     if cfg.data_dir:
         paths = [find_shards(cfg.data_dir, split) for split in ("train", "val")]
         return tuple(TokenStream([open_shard(path) for path in group], group) for group in paths)
@@ -1064,13 +1011,12 @@ def load_token_streams(cfg: TrainConfig) -> tuple[TokenStream, TokenStream]:
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_CACHE = os.path.expanduser("~/.cache/train_gpt2/hellaswag_val.jsonl")
-# Tokens per scoring batch, padding included. Only ending tokens (about a quarter) get logits:
-# 2048 x 50304 float32 logits take 0.4 GiB
+# Tokens per scoring batch, padding included; only ending tokens (a quarter) get logits: 0.4 GiB
 HELLASWAG_BATCH_TOKENS = 8192
 
 
 def read_hellaswag(path: str) -> list[dict]:
-    """The original jsonl records: a context "ctx", 4 "endings", the right one's index "label"."""
+    """The jsonl records: a context "ctx", 4 "endings", the right one's index "label"."""
     examples = []
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
@@ -1092,7 +1038,7 @@ def read_hellaswag(path: str) -> list[dict]:
 
 
 def render_hellaswag(example: dict, tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """tokens (4, L): the context then each ending, zero-padded; mask (4, L): 1 on ending tokens."""
+    """tokens (4, L): context then each ending, zero-padded; mask (4, L): 1 on ending tokens."""
     context = tokenizer.encode_ordinary(example["ctx"])
     rows = [context + tokenizer.encode_ordinary(" " + ending) for ending in example["endings"]]
     tokens = torch.zeros(4, max(len(row) for row in rows), dtype=torch.long)
@@ -1104,11 +1050,11 @@ def render_hellaswag(example: dict, tokenizer) -> tuple[torch.Tensor, torch.Tens
 
 
 def pack_hellaswag(rendered: list[tuple], max_tokens: int) -> list[tuple]:
-    """Batches of (tokens (4n, L), mask (4n, L), labels (n,)), padded to the batch's longest and at
-    most max_tokens unless one example alone is longer. Shortest first: like lengths together."""
+    """Batches of (tokens (4n, L), mask (4n, L), labels (n,)), padded to their longest, of at
+    most max_tokens unless one example is longer; shortest first."""
     groups = []
     for example in sorted(rendered, key=lambda example: example[0].size(1)):
-        # the longest yet: the group would be padded to its length
+        # the longest yet: the group is padded to it
         if not groups or 4 * (len(groups[-1]) + 1) * example[0].size(1) > max_tokens:
             groups.append([])
         groups[-1].append(example)
@@ -1121,16 +1067,15 @@ def pack_hellaswag(rendered: list[tuple], max_tokens: int) -> list[tuple]:
     return batches
 
 
-# ------------------------------------------------------------ setting up a run
-
+# ------------------------------ setting up a run
 
 RESUME_AUTO = "run the same command with --resume auto"  # the fix after a failed write in a run
 
 
 @contextlib.contextmanager
 def failed_write_is_one_line(path: str, then: str):
-    """A write that fails (a full disk, a quota, a lost mount) as one ConfigError naming the folder.
-    torch.save writing to a file object raises a RuntimeError caused by the OSError."""
+    """A failed write (full disk, quota, lost mount) as one ConfigError naming the folder.
+    torch.save to a file object raises a RuntimeError caused by the OSError."""
     try:
         yield
     except (OSError, RuntimeError) as error:
@@ -1143,9 +1088,9 @@ def failed_write_is_one_line(path: str, then: str):
                           f"{os.path.dirname(path) or '.'}, then {then}") from None
 
 
-def write_atomically(path: str, write, then: str = RESUME_AUTO) -> None:
-    """write(file) to this process's own temporary file, flush it to disk, rename: readers see the
-    old file or the whole new one. A failed write removes it: one ConfigError ending with `then`."""
+def write_atomically(path: str, write, then: str = RESUME_AUTO):
+    """write(file) to this process's temporary file, fsync, rename: readers see the old file or
+    the whole new one. A failed write: one ConfigError ending with `then`."""
     temporary = f"{path}.{os.uname().nodename}-{os.getpid()}.tmp"
     try:
         with failed_write_is_one_line(path, then), open(temporary, "wb") as f:
@@ -1153,13 +1098,12 @@ def write_atomically(path: str, write, then: str = RESUME_AUTO) -> None:
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
-        if os.path.exists(temporary):
-            os.remove(temporary)
+        Path(temporary).unlink(missing_ok=True)
         raise
     os.replace(temporary, path)
 
 
-def download(url: str, path: str, fix: str) -> None:
+def download(url: str, path: str, fix: str):
     try:
         with urllib.request.urlopen(url, timeout=30) as response:
             data = response.read()
@@ -1176,7 +1120,7 @@ def open_data(cfg: TrainConfig, launch: Launch, with_val: bool) -> tuple[DataLoa
     train_stream, val_stream = load_token_streams(cfg)
     B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
     train_loader = DataLoader(train_stream, B, T, launch.rank, W, cfg.shuffle, cfg.seed)
-    # the validation windows in order: the same ones every time
+    # in order: the same windows every time
     val_loader = DataLoader(val_stream, B, T, launch.rank, W, False, cfg.seed) if with_val else None
     step_windows, tokens = cfg.total_batch_size // T, f"{cfg.total_batch_size:,} tokens"
     more = "more shards" if cfg.data_dir else "--data_dir with fineweb.py's shards"
@@ -1195,7 +1139,7 @@ def open_data(cfg: TrainConfig, launch: Launch, with_val: bool) -> tuple[DataLoa
 
 
 def open_hellaswag(cfg: TrainConfig, launch: Launch, block_size: int) -> list[tuple]:
-    """This rank's share of HellaSwag (examples r, r + W, ...), tokenized and packed in batches."""
+    """This rank's share of HellaSwag (examples r, r + W, ...), tokenized, in batches."""
     path = cfg.hellaswag_path or HELLASWAG_CACHE
     if not os.path.exists(path):
         download(HELLASWAG_URL, path, "pass --hellaswag_path with a local copy of it")
@@ -1224,21 +1168,21 @@ def build_model(cfg: TrainConfig, device: str) -> GPT:
 
 
 def autocast_for(cfg: TrainConfig, device: str):
-    """autocast() opens an autocast context for --dtype (none for float32)."""
+    """autocast() enters autocast for --dtype (off for float32)."""
     dtype = getattr(torch, cfg.dtype)
     return functools.partial(torch.autocast, device.split(":")[0], dtype=dtype,
                              enabled=dtype != torch.float32)
 
 
 def set_up_training(cfg: TrainConfig, launch: Launch, device: str, log, notes) -> tuple:
-    """Every rank opens the data, builds the model and finds the checkpoint: a problem on any stops
-    all, and all must find the same (machines with their own copies could differ). Then the rest."""
+    """Every rank opens the data, builds the model, finds the checkpoint: a problem on any stops
+    all, and all must find the same (machines may hold other copies). Then the rest."""
     problem, found = None, None
     try:
         if launch.rank == 0:
             make_log_dir(cfg.log_dir)
         earlier = checkpoint_paths(cfg.log_dir)
-        if earlier and not cfg.resume:  # a later --resume auto would take them for this run's
+        if earlier and not cfg.resume:  # --resume auto would take them for this run's
             raise ConfigError(f"--log_dir {cfg.log_dir} holds an earlier run's checkpoints "
                               f"({os.path.basename(earlier[0])}): continue it with --resume auto, "
                               "or pass another --log_dir")
@@ -1247,9 +1191,8 @@ def set_up_training(cfg: TrainConfig, launch: Launch, device: str, log, notes) -
         checkpoint = find_resume_checkpoint(cfg, log.say)
         if checkpoint is not None:
             check_resumable(checkpoint, cfg, raw_model.config)
-        hellaswag = []
-        if cfg.hellaswag_every:
-            hellaswag = open_hellaswag(cfg, launch, raw_model.config.block_size)
+        hellaswag = (open_hellaswag(cfg, launch, raw_model.config.block_size)
+                     if cfg.hellaswag_every else [])
         tokenizer = gpt2_tokenizer() if cfg.sample_every else None
         log.begin(checkpoint and checkpoint["step"])
         found = (train_loader.stream.num_tokens, val_loader and val_loader.stream.num_tokens,
@@ -1257,8 +1200,7 @@ def set_up_training(cfg: TrainConfig, launch: Launch, device: str, log, notes) -
     except ConfigError as error:
         problem = str(error)
     posts = gather((problem, found), launch)
-    if error := first_problem([problem for problem, _ in posts]):
-        raise error
+    raise_first_problem([problem for problem, _ in posts])
     if len({found for _, found in posts}) > 1:
         raise ConfigError(f"the ranks found different data or checkpoints ((train tokens, val "
                           f"tokens, checkpoint step) on each: {[found for _, found in posts]}): "
@@ -1266,7 +1208,7 @@ def set_up_training(cfg: TrainConfig, launch: Launch, device: str, log, notes) -
     if launch.rank == 0:
         remove_killed_writes(cfg.log_dir)
     model = torch.compile(raw_model) if cfg.compile else raw_model
-    if launch.torchrun:  # gradient_as_bucket_view: gradients live in DDP's all-reduce buckets
+    if launch.torchrun:  # gradients in DDP's all-reduce buckets
         device_ids = [torch.device(device).index] if device.startswith("cuda") else None
         model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
     scaler = torch.amp.GradScaler(device.split(":")[0], enabled=cfg.dtype == "float16")
@@ -1286,8 +1228,7 @@ def set_up_training(cfg: TrainConfig, launch: Launch, device: str, log, notes) -
             tokenizer)
 
 
-def start_line(cfg: TrainConfig, device: str, world_size: int, parameters: int,
-               accum_steps: int, train_tokens: int) -> str:
+def start_line(cfg: TrainConfig, device, world_size, parameters, accum_steps, train_tokens) -> str:
     W, gpu = world_size, device.startswith("cuda")
     card = f", {torch.cuda.get_device_name(device)}" if gpu else ""
     mfu = (f", MFU against {cfg.peak_tflops:g} TFLOP/s" if cfg.peak_tflops else
@@ -1300,41 +1241,35 @@ def start_line(cfg: TrainConfig, device: str, world_size: int, parameters: int,
             f"{cfg.seq_len}; {sharded}{train_tokens:,} train tokens")
 
 
-# ------------------------------------------------------------ weights to start from
+# ------------------------------ weights to start from
 
-# OpenAI's checkpoint stores these as Conv1D weights, (in, out): nn.Linear wants (out, in)
+# OpenAI's Conv1D weights, (in, out): nn.Linear wants (out, in)
 OPENAI_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                      "mlp.c_proj.weight")
 
 
 def state_from_openai(hf_state: dict) -> dict:
-    """transformers' GPT2LMHeadModel state in our names (the same, 4 matrices transposed)."""
+    """transformers' GPT2LMHeadModel state in our names (4 matrices transposed)."""
     return {name: tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor
             for name, tensor in hf_state.items()
             if not name.endswith((".attn.bias", ".attn.masked_bias"))}  # older versions' masks
 
 
 def state_to_openai(state: dict, vocab_size: int) -> dict:
-    """Our state in GPT2LMHeadModel's layout, without the vocabulary's padding rows."""
-    exported = {}
-    for name, tensor in state.items():
-        if name.endswith(OPENAI_TRANSPOSED):
-            tensor = tensor.t()
-        if name in ("transformer.wte.weight", "lm_head.weight"):
-            tensor = tensor[:vocab_size]
-        exported[name] = tensor.contiguous()
-    return exported
+    """Our state in GPT2LMHeadModel's layout, without the padding rows."""
+    embeddings = ("transformer.wte.weight", "lm_head.weight")
+    return {name: (tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor[:vocab_size]
+                   if name in embeddings else tensor).contiguous()
+            for name, tensor in state.items()}
 
 
 def import_transformers(flag: str):
-    """transformers, without its warnings about optional packages and its progress bars."""
+    """transformers, without its warnings on optional packages and its progress bars."""
     import logging
-
     logging.disable(logging.WARNING)
     try:
         import transformers
         import transformers.models.gpt2.modeling_gpt2  # here, quietly: transformers imports lazily
-
         transformers.utils.logging.disable_progress_bar()
         return transformers
     except ImportError:
@@ -1345,15 +1280,12 @@ def import_transformers(flag: str):
 
 
 def load_openai_weights(name: str) -> dict:
-    """OpenAI's weights through transformers: from its cache, else from the Hugging Face hub."""
+    """OpenAI's weights through transformers: from its cache, else the Hugging Face hub."""
     GPT2LMHeadModel = import_transformers(f"--init_from {name}").GPT2LMHeadModel
     from huggingface_hub.constants import ENDPOINT
-
-    try:
+    with contextlib.suppress(OSError):  # not cached: offline, the hub would retry for 30 s
         return state_from_openai(GPT2LMHeadModel.from_pretrained(name, local_files_only=True)
                                  .state_dict())
-    except OSError:  # not cached: offline, the hub client would retry for half a minute
-        pass
     try:
         url = urllib.parse.urlsplit(ENDPOINT)
         socket.create_connection((url.hostname, url.port or 443), timeout=10).close()
@@ -1364,7 +1296,7 @@ def load_openai_weights(name: str) -> dict:
 
 
 def initial_weights(cfg: TrainConfig) -> tuple[GPTConfig, dict | None]:
-    """The model's config (dropout, loss, recompute: this run's) and weights (None: fresh ones)."""
+    """The model's config (dropout, loss, recompute: this run's) and weights (None: fresh)."""
     training = dict(dropout=cfg.dropout, loss_chunk_size=cfg.loss_chunk_size or 0,
                     recompute=cfg.recompute)
     if not cfg.init_from:
@@ -1376,10 +1308,9 @@ def initial_weights(cfg: TrainConfig) -> tuple[GPTConfig, dict | None]:
     return GPTConfig(**{**checkpoint["model_config"], **training}), checkpoint["model"]
 
 
-# ------------------------------------------------------------ checkpoints
+# ------------------------------ checkpoints
 
-# A resumed run must keep its checkpoint's model shape, and the numbers its data position and
-# schedule count in (a step is total_batch_size tokens in windows of seq_len)
+# A resumed run keeps the model's shape, and the units of its data position and schedule
 RESUME_MUST_MATCH = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "total_batch_size",
                      "seq_len")
 CHECKPOINT_KEYS = {"model", "model_config", "optimizer", "scaler", "step", "config",
@@ -1387,7 +1318,7 @@ CHECKPOINT_KEYS = {"model", "model_config", "optimizer", "scaler", "step", "conf
 
 
 def checkpoint_paths(log_dir: str) -> list[str]:
-    """ckpt_<step>.pt files in log_dir, newest first."""
+    """log_dir's ckpt_<step>.pt files, newest first."""
     found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(log_dir, "ckpt_*.pt"))
              if (m := re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p)))]
     return [p for _, p in sorted(found, reverse=True)]
@@ -1401,9 +1332,9 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def save_checkpoint(path: str, state: dict, keep: int) -> None:
-    """The checkpoint, its sha256 (torch.load misses a flipped byte), the `keep` newest kept."""
-    # to a file object: to a path, torch.save reports a full disk with no OSError to name it
+def save_checkpoint(path: str, state: dict, keep: int):
+    """The checkpoint and its sha256 (torch.load misses a flipped byte); `keep` newest kept."""
+    # to a file object: to a path, torch.save hides a full disk's OSError
     write_atomically(path, lambda f: torch.save(state, f))
     line = file_sha256(path) + "\n"
     write_atomically(f"{path}.sha256", lambda f: f.write(line.encode()))
@@ -1416,8 +1347,8 @@ def save_checkpoint(path: str, state: dict, keep: int) -> None:
     remove_killed_writes(os.path.dirname(path))
 
 
-def remove_killed_writes(log_dir: str) -> None:
-    """A checkpoint write killed part way (kill -9) leaves its temporary file: 1.5 GB at 124M."""
+def remove_killed_writes(log_dir: str):
+    """A write killed part way (kill -9) leaves its temporary file: 1.5 GB at 124M."""
     for temporary in glob.glob(os.path.join(log_dir, "ckpt_*.pt*.tmp")):
         os.remove(temporary)
 
@@ -1434,9 +1365,9 @@ def load_checkpoint(path: str, flag: str = "--resume") -> dict:
     if checksum.exists() and checksum.read_text().strip() != file_sha256(path):
         raise ConfigError(f"checkpoint {path} is corrupt (its sha256 differs from {checksum}): "
                           "resume from an older checkpoint")
-    try:  # to the CPU (on the GPU it could run out of memory beside the model), memory-mapped
+    try:  # to the CPU (the GPU may lack room beside the model), memory-mapped
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as error:  # a truncated or foreign file fails in many ways, all alike to users
+    except Exception as error:  # a truncated or foreign file fails in many ways
         fix = "resume from an older checkpoint" if flag == "--resume" else "give another checkpoint"
         raise ConfigError(f"cannot read checkpoint {path} ({str(error).splitlines()[0]}): {fix}") \
             from None
@@ -1450,7 +1381,7 @@ def load_checkpoint(path: str, flag: str = "--resume") -> dict:
 
 
 def find_resume_checkpoint(cfg: TrainConfig, say) -> dict | None:
-    """The checkpoint --resume names; with 'auto', the newest one in log_dir that loads, or None."""
+    """The checkpoint --resume names; 'auto': the newest in log_dir that loads, or None."""
     if cfg.resume != "auto":
         return load_checkpoint(cfg.resume) if cfg.resume else None
     for path in checkpoint_paths(cfg.log_dir):
@@ -1462,8 +1393,8 @@ def find_resume_checkpoint(cfg: TrainConfig, say) -> dict | None:
     return None
 
 
-def check_resumable(checkpoint: dict, cfg: TrainConfig, model_config: GPTConfig) -> None:
-    # the shape from the model's own config: the shape flags may be empty (--model, --init_from)
+def check_resumable(checkpoint: dict, cfg: TrainConfig, model_config: GPTConfig):
+    # the shape from the model's config: the shape flags may be empty
     saved = {**checkpoint["config"], **checkpoint["model_config"]}
     wanted = {**dataclasses.asdict(cfg), **dataclasses.asdict(model_config)}
     differing = [f"{name} {saved[name]} -> {wanted[name]}" for name in RESUME_MUST_MATCH
@@ -1471,8 +1402,7 @@ def check_resumable(checkpoint: dict, cfg: TrainConfig, model_config: GPTConfig)
     if differing:
         raise ConfigError(f"cannot resume from {checkpoint['path']}: {', '.join(differing)} (they "
                           "define its weights, schedule and data position): use its values")
-    trained_with = saved["optimizer"]
-    if trained_with != cfg.optimizer:
+    if (trained_with := saved["optimizer"]) != cfg.optimizer:
         raise ConfigError(f"cannot resume from {checkpoint['path']} with --optimizer "
                           f"{cfg.optimizer}: it holds {trained_with}'s state; resume with "
                           f"--optimizer {trained_with}, or start a new run from its weights with "
@@ -1480,20 +1410,20 @@ def check_resumable(checkpoint: dict, cfg: TrainConfig, model_config: GPTConfig)
 
 
 def rng_states(device: str) -> dict:
-    """torch's generators (dropout draws from them); the data order has its own seeded one. On CUDA
-    this GPU's state only: a machine with fewer GPUs could not restore the others'."""
+    """torch's generators (dropout's). On CUDA this GPU's only: a machine with fewer GPUs could
+    not restore the others'."""
     return {"torch_cpu": torch.get_rng_state(),
             "torch_cuda": [torch.cuda.get_rng_state(device)] if device.startswith("cuda") else []}
 
 
-def restore_rng_states(states: dict, device: str) -> None:
+def restore_rng_states(states: dict, device: str):
     torch.set_rng_state(states["torch_cpu"])
     if states["torch_cuda"] and device.startswith("cuda"):
         torch.cuda.set_rng_state(states["torch_cuda"][0], device)
 
 
 def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, device, log) -> int:
-    """Weights, optimizer states, scaler, data position, RNG; the step to go on from (0: none)."""
+    """Weights, optimizer states, scaler, data position, RNG; returns the step (0: none)."""
     if checkpoint is None:
         return 0
     model.load_state_dict(checkpoint["model"])
@@ -1512,7 +1442,7 @@ def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, devic
     schedule = ("max_lr", "min_lr_ratio", "warmup_steps", "max_steps")
     changed = [f"--{name} {saved[name]} -> {getattr(cfg, name)}" for name in schedule
                if saved[name] != getattr(cfg, name)]
-    if changed:  # allowed (extending a finished run is), but the learning rate jumps
+    if changed:  # allowed (to extend a run), but the learning rate jumps
         old_cfg = dataclasses.replace(cfg, **{name: saved[name] for name in schedule})
         log.say(f"warning: the learning-rate schedule differs from the checkpoint's "
                 f"({', '.join(changed)}): at step {step} it goes on at {lr_at(step, cfg):.4e} "
@@ -1522,7 +1452,7 @@ def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, devic
 
 
 def write_checkpoint(cfg, launch, device, model, optimizers, scaler, loader, steps_done):
-    """Rank 0 writes <log_dir>/ckpt_<steps_done>.pt; every rank stops if it could not."""
+    """Rank 0 writes <log_dir>/ckpt_<steps_done>.pt; all ranks stop if it could not."""
     if cfg.shard_optimizer and launch.world_size > 1:
         for optimizer in optimizers:
             optimizer.consolidate_state_dict(to=0)  # every rank sends its share of the state
@@ -1530,23 +1460,21 @@ def write_checkpoint(cfg, launch, device, model, optimizers, scaler, loader, ste
     problem = None
     if launch.rank == 0:
         state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
-                 "optimizer": [optimizer.state_dict() for optimizer in optimizers],
-                 "scaler": scaler.state_dict(),
-                 "step": steps_done, "config": dataclasses.asdict(cfg),
-                 "windows_consumed": loader.windows_consumed,
-                 "train_tokens": loader.stream.num_tokens, "rng": rng}
+                 "optimizer": [optimizer.state_dict() for optimizer in optimizers], "rng": rng,
+                 "scaler": scaler.state_dict(), "config": dataclasses.asdict(cfg),
+                 "step": steps_done, "windows_consumed": loader.windows_consumed,
+                 "train_tokens": loader.stream.num_tokens}
         try:
             save_checkpoint(os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt"), state,
                             cfg.keep_ckpts)
         except ConfigError as error:
             problem = str(error)
-    if error := first_problem(gather(problem, launch)):
-        raise error
+    raise_first_problem(gather(problem, launch))
 
 
-def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir) -> None:
-    """Stop a run whose loss or gradient norm is not finite: nothing may be saved from its weights.
-    Under float16's loss scaling an infinite norm is routine (the scaler skips that step)."""
+def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir):
+    """Stop a run whose loss or gradient norm is not finite: nothing is saved from its weights.
+    With float16's loss scaling an infinite norm is routine (the step is skipped)."""
     if math.isfinite(train_loss) and (loss_scaling or math.isfinite(grad_norm)):
         return
     saved = checkpoint_paths(log_dir)
@@ -1559,9 +1487,8 @@ def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir) -> Non
 
 @contextlib.contextmanager
 def catching_stop_signals():
-    """SIGTERM (preemption), SIGHUP (the terminal closed) or Ctrl-C set ["requested"]: the step
-    finishes, checkpoints, exits. A second Ctrl-C stops at once (interrupted_line says what
-    is lost). A signal ignored at start (nohup) stays ignored."""
+    """SIGTERM (preemption), SIGHUP or Ctrl-C set ["requested"]: the step ends, checkpoints,
+    exits; a second Ctrl-C stops at once. A signal ignored at start (nohup) stays ignored."""
     stop = {"requested": False}
 
     def handle(signum, frame):
@@ -1579,8 +1506,8 @@ def catching_stop_signals():
             signal.signal(signum, handler)
 
 
-def interrupted_line(cfg: TrainConfig, training: bool) -> str:
-    if not training:  # the other run modes take Ctrl-C at once: they have nothing to save
+def interrupted_line(cfg: TrainConfig | None) -> str:
+    if cfg is None or cfg.export_hf or cfg.generate or cfg.eval_only:  # nothing to save
         return "stopped by Ctrl-C"
     saved = checkpoint_paths(cfg.log_dir)
     if not saved:
@@ -1590,8 +1517,8 @@ def interrupted_line(cfg: TrainConfig, training: bool) -> str:
 
 
 def stop_or_fail_together(signalled: bool, sources: list, launch: Launch, device: str) -> bool:
-    """Whether any rank got a stop signal (a scheduler may signal only some); raises on every rank
-    any rank's problem (a token beyond the vocabulary, a failed log write). One all-reduce."""
+    """Whether any rank got a stop signal (a scheduler may signal some); raises any rank's
+    problem (a bad token id, a failed log write) on all. One all-reduce."""
     problem = next((source.problem for source in sources if source and source.problem), None)
     flags = [signalled, problem is not None]
     if launch.torchrun:
@@ -1599,14 +1526,13 @@ def stop_or_fail_together(signalled: bool, sources: list, launch: Launch, device
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
         flags = [bool(value) for value in values.tolist()]
     if flags[1]:
-        raise first_problem(gather(problem, launch))
+        raise_first_problem(gather(problem, launch))
     return flags[0]
 
 
-# ------------------------------------------------------------ logging
+# ------------------------------ logging
 
-
-def make_log_dir(log_dir: str) -> None:
+def make_log_dir(log_dir: str):
     try:
         os.makedirs(log_dir, exist_ok=True)
     except OSError as error:
@@ -1616,7 +1542,7 @@ def make_log_dir(log_dir: str) -> None:
 
 
 def record_step(line: str, default: int) -> int:
-    """A metrics.jsonl record's step; default for the summary, and for a line a kill cut short."""
+    """A metrics.jsonl record's step; default for the summary and a line a kill cut short."""
     try:
         return json.loads(line).get("step", default)
     except json.JSONDecodeError:
@@ -1624,16 +1550,15 @@ def record_step(line: str, default: int) -> int:
 
 
 class MetricsLog:
-    """Rank 0 prints lines, appends JSON records to <log_dir>/metrics.jsonl, and with tensorboard
-    their figures to an events file beside it. A failed write is the problem every rank stops on
-    at the end of the step (stop_or_fail_together); nothing more is written."""
+    """Rank 0 prints lines, appends records to <log_dir>/metrics.jsonl (and an events file with
+    tensorboard). A failed write is the problem all ranks stop on at the step's end."""
 
     def __init__(self, log_dir: str, active: bool, tensorboard: bool = False):
         self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
         self.records, self.problem, self.tensorboard = [], None, tensorboard
 
-    def begin(self, resume_step: int | None) -> None:
-        """A new run starts an empty file; a resumed one keeps the records before resume_step."""
+    def begin(self, resume_step: int | None):
+        """A new run starts an empty file; a resumed one keeps records before resume_step."""
         if not self.active:
             return
         kept = []
@@ -1643,29 +1568,26 @@ class MetricsLog:
         write_atomically(self.path, lambda f: f.write("".join(kept).encode()))
         if self.tensorboard:
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-
             name = f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}"
             self.board_path = os.path.join(os.path.dirname(self.path), name)
-            # TensorBoard drops the events from this step on: a resumed run's curves go on from
-            # its checkpoint, without what the stopped run wrote after it
+            # TensorBoard then drops older events from this step on (written after the checkpoint)
             restart = Event(step=resume_step or 0, session_log=SessionLog(status=SessionLog.START))
             self.write_events([Event(file_version="brain.Event:2"), restart])
 
-    def write_events(self, events: list) -> None:
-        """TensorBoard's record format: SummaryWriter's thread prints a traceback on a full disk."""
+    def write_events(self, events: list):
+        """TensorBoard's format: SummaryWriter's thread prints a traceback on a full disk."""
         from tensorboard.summary.writer.record_writer import RecordWriter
-
         with failed_write_is_one_line(self.board_path, RESUME_AUTO), \
                 open(self.board_path, "ab") as f:
             writer = RecordWriter(f)
             for event in events:
                 writer.write(event.SerializeToString())
 
-    def say(self, line: str) -> None:
+    def say(self, line: str):
         if self.active:
             print(line, flush=True)
 
-    def write(self, record: dict, line: str) -> None:
+    def write(self, record: dict, line: str):
         if not self.active:
             return
         self.say(line)
@@ -1678,17 +1600,15 @@ class MetricsLog:
                 f.write(json.dumps(record) + "\n")
             if self.tensorboard and "step" in record:  # an event a figure, as SummaryWriter's
                 from tensorboard.compat.proto.event_pb2 import Event
-                from tensorboard.compat.proto.summary_pb2 import Summary
-
-                self.write_events([
-                    Event(wall_time=time.time(), step=record["step"],
-                          summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)]))
-                    for tag, value in record.items() if tag != "step"])
+                from torch.utils.tensorboard.summary import scalar
+                self.write_events([Event(wall_time=time.time(), step=record["step"],
+                                         summary=scalar(tag, value))
+                                   for tag, value in record.items() if tag != "step"])
         except ConfigError as error:
             os.truncate(self.path, size)  # no half record left
             self.problem = str(error)
 
-    def train_step(self, step, cfg, loss, lr, grad_norm, elapsed_ms, mfu) -> None:
+    def train_step(self, step, cfg, loss, lr, grad_norm, elapsed_ms, mfu):
         tokens_per_s = cfg.total_batch_size * 1000 / elapsed_ms
         record = {"step": step, "train_loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "ms": elapsed_ms, "tokens_per_s": tokens_per_s}
@@ -1701,8 +1621,8 @@ class MetricsLog:
 
 
 def step_summary(step_ms, tokens_per_step, flops_per_step, cfg, device, world_size) -> dict:
-    """Median speed over the steps after the untimed first ones, and peak memory: allocated on
-    CUDA (and what the caching allocator reserved), this process's resident memory elsewhere."""
+    """Median speed after the untimed first steps; peak memory (allocated, reserved) on CUDA,
+    else resident."""
     timed = step_ms[UNTIMED_STEPS:] or step_ms
     median_ms = statistics.median(timed)
     summary = {"timed_steps": len(timed), "median_ms": median_ms,
@@ -1711,8 +1631,7 @@ def step_summary(step_ms, tokens_per_step, flops_per_step, cfg, device, world_si
         summary["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
     else:
-        import resource  # Unix only; ru_maxrss is in KiB on Linux and in bytes on macOS
-
+        import resource  # Unix; ru_maxrss: KiB on Linux, bytes on macOS
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         summary["peak_memory_gib"] = peak / (2**30 if sys.platform == "darwin" else 2**20)
     if cfg.peak_tflops:
@@ -1732,15 +1651,13 @@ def summary_line(summary: dict, peak_tflops: float) -> str:
     return line
 
 
-# ------------------------------------------------------------ other run modes
-
+# ------------------------------ other run modes
 
 def generate_samples(cfg: TrainConfig, device: str) -> list[str]:
-    """--generate; the one-token step compiled only with --compile (longer than a short text)."""
-    model = build_model(cfg, device)
-    autocast = autocast_for(cfg, device)
-    timing = {}
-    texts = print_samples(model, gpt2_tokenizer(), cfg, device, autocast, bool(cfg.compile), timing)
+    """--generate; the one-token step compiled only with --compile (it outlasts a short text)."""
+    model, timing = build_model(cfg, device), {}
+    texts = print_samples(model, gpt2_tokenizer(), cfg, device, autocast_for(cfg, device),
+                          bool(cfg.compile), timing)
     warm_up = GENERATE_WARMUP_TOKENS if "warm_up_s" in timing else 0
     tokens = cfg.num_samples * (cfg.max_new_tokens - warm_up)
     untimed = (f"after {warm_up} warm-up tokens a sample, {timing['warm_up_s']:.2f} s" if warm_up
@@ -1753,7 +1670,7 @@ def generate_samples(cfg: TrainConfig, device: str) -> list[str]:
 
 
 def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
-    """The val loss and HellaSwag accuracy (if its file can be had) of --init_from's weights."""
+    """Val loss and HellaSwag accuracy (if its file can be had) of --init_from's weights."""
     problem, hellaswag, missing = None, None, None
     try:
         _, val_loader = open_data(cfg, launch, with_val=True)
@@ -1765,11 +1682,9 @@ def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
     except ConfigError as error:
         problem = str(error)
     posts = gather((problem, missing), launch)
-    if error := first_problem([problem for problem, _ in posts]):
-        raise error
+    raise_first_problem([problem for problem, _ in posts])
     missing = next((missing for _, missing in posts if missing), None)  # all skip it, or none
-    autocast = autocast_for(cfg, device)
-    accum_steps = grad_accum_steps(cfg, launch.world_size)
+    autocast, accum_steps = autocast_for(cfg, device), grad_accum_steps(cfg, launch.world_size)
     result = {"val_loss": estimate_val_loss(model, val_loader, cfg.eval_steps, accum_steps, device,
                                             autocast, launch)}
     stop_or_fail_together(False, [val_loader], launch, device)  # stops on bad tokens
@@ -1784,7 +1699,7 @@ def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
 
 
 def export_hf(cfg: TrainConfig) -> str:
-    """--init_from's weights and tiktoken's tokenizer as a transformers folder, once checked."""
+    """--init_from's weights and tiktoken's tokenizer as a checked transformers folder."""
     transformers = import_transformers("--export_hf")
     try:
         import blobfile  # noqa: F401 (transformers' tiktoken converter writes through it)
@@ -1792,10 +1707,9 @@ def export_hf(cfg: TrainConfig) -> str:
         raise ConfigError("--export_hf needs blobfile to convert the tokenizer: pip install "
                           "blobfile") from None
     from transformers.integrations.tiktoken import convert_tiktoken_to_fast
-
     model_config, state = initial_weights(cfg)
-    vocab_size = min(model_config.vocab_size, GPT2_VOCAB_SIZE)  # no tokenizer decodes the padding
-    # transformers' other defaults are ours (tanh GELU, LayerNorm eps 1e-5, tied embeddings)
+    vocab_size = min(model_config.vocab_size, GPT2_VOCAB_SIZE)  # no tokenizer decodes padding
+    # transformers' other defaults are ours (tanh GELU, eps 1e-5, tied embeddings)
     hf_model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=vocab_size, n_positions=model_config.block_size, n_embd=model_config.n_embd,
         n_layer=model_config.n_layer, n_head=model_config.n_head, resid_pdrop=model_config.dropout,
@@ -1817,9 +1731,8 @@ def export_hf(cfg: TrainConfig) -> str:
     return cfg.export_hf
 
 
-def save_pretrained(hf_model, folder: str) -> None:
+def save_pretrained(hf_model, folder: str):
     from safetensors import SafetensorError
-
     try:
         hf_model.save_pretrained(folder)
     except SafetensorError as error:  # a failed write there is no OSError
@@ -1828,9 +1741,9 @@ def save_pretrained(hf_model, folder: str) -> None:
         raise OSError(str(error).partition("I/O error: ")[2]) from None
 
 
-def check_export(exported, model_config: GPTConfig, state: dict) -> None:
-    """The exported model, as loaded from its folder, gives our logits to float32 rounding; a hacked
-    model (another activation, norm or block) would not, and transformers would run it wrong."""
+def check_export(exported, model_config: GPTConfig, state: dict):
+    """The exported model, as loaded, gives our logits to float32 rounding; a hacked one (other
+    activation, norm or block) would not: transformers would run it wrong."""
     ours = GPT(model_config)
     ours.load_state_dict(state)
     vocab_size = exported.config.vocab_size
@@ -1845,15 +1758,14 @@ def check_export(exported, model_config: GPTConfig, state: dict) -> None:
                           "transformers, so it cannot be exported as GPT-2")
 
 
-# ------------------------------------------------------------ main
-
+# ------------------------------ main
 
 def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str:
     if cfg.generate:
         return f"out of memory on {device} while generating: lower --num_samples"
     B, T = cfg.micro_batch_size, cfg.seq_len
     where = f"out of memory on {device} at micro batch {B} x {T}"
-    # the largest smaller micro batch that still divides a step trains exactly the same
+    # the largest smaller micro batch that divides a step trains the same
     smaller = [b for b in range(B - 1, 0, -1) if cfg.total_batch_size % (b * T * world_size) == 0]
     if smaller:
         return (f"{where}: lower --micro_batch_size to {smaller[0]} (a step stays "
@@ -1862,10 +1774,10 @@ def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str
     return f"{where}: {add}lower --seq_len or pick a smaller --model"
 
 
-@record  # under torchrun, the failure summary then names the failing rank and its traceback
+@record  # under torchrun the failure summary names the failing rank and its traceback
 def main(cfg: TrainConfig | None, launch: Launch | None = None,
          problem: ConfigError | None = None) -> TrainResult | dict | list[str] | str:
-    """Run cfg; under torchrun all ranks join, then check it together (None: problem says why)."""
+    """Run cfg; under torchrun all ranks join, then check it together (None: see problem)."""
     launch = launch or launch_from_env(os.environ)
     settled, notes = cfg, []
     try:
@@ -1876,9 +1788,8 @@ def main(cfg: TrainConfig | None, launch: Launch | None = None,
         problem = error
     device = settled.device if problem is None else "cpu"
     init_distributed(launch, device)
-    result = None
     try:
-        check_same_command(cfg, problem, launch)  # the flags as given: the machines may differ
+        check_same_command(cfg, problem, launch)  # the flags as given: machines may differ
         cfg = settled
         if cfg.export_hf:
             result = export_hf(cfg)
@@ -1889,24 +1800,22 @@ def main(cfg: TrainConfig | None, launch: Launch | None = None,
         else:
             with catching_stop_signals() as stop_signal:
                 result = train(cfg, launch, device, stop_signal, notes)
-    except ConfigError as error:  # raised on every rank together: rank 0 says it, all leave
+    except ConfigError as error:  # raised on every rank: rank 0 says it, all leave
         if launch.rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         if launch.torchrun:
             dist.destroy_process_group()
         sys.exit(2)
-    except KeyboardInterrupt:  # a second Ctrl-C while training, the first in the other modes
+    except KeyboardInterrupt:  # a second Ctrl-C while training, the first otherwise
         if launch.rank == 0:
-            training = cfg is not None and not (cfg.export_hf or cfg.generate or cfg.eval_only)
-            print(interrupted_line(cfg, training), file=sys.stderr, flush=True)
+            print(interrupted_line(cfg), file=sys.stderr, flush=True)
         sys.exit(130)
-    except torch.OutOfMemoryError:  # this rank alone says it; torchrun then ends the others
+    except torch.OutOfMemoryError:  # this rank says it; torchrun ends the others
         print(f"error: {out_of_memory_message(cfg, device, launch.world_size)}", file=sys.stderr,
               flush=True)
         sys.exit(2)
-    if launch.torchrun:  # every rank gets here together; after a crash a peer may be gone
-        # leave together: a rank tearing gloo down while another still ran aborted at exit
-        # (PyTorch #179291) in 8 of 62 CPU launches with --recompute, 1 of 90 with the barrier
+    if launch.torchrun:  # all ranks get here together; after a crash a peer may be gone
+        # leave together: gloo torn down while a peer still ran aborted at exit (PyTorch #179291)
         dist.barrier()
         dist.destroy_process_group()
     return result
@@ -1915,6 +1824,6 @@ def main(cfg: TrainConfig | None, launch: Launch | None = None,
 if __name__ == "__main__":
     try:
         config, parse_problem = parse_args(sys.argv[1:]), None
-    except ConfigError as error:  # under torchrun the others hear of it (one machine's typo)
+    except ConfigError as error:  # under torchrun the others hear of it
         config, parse_problem = None, error
     main(config, problem=parse_problem)
