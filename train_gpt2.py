@@ -778,7 +778,7 @@ def evaluate_hellaswag(model: GPT, batches: list[tuple], device, autocast, launc
         losses = F.cross_entropy(logits.float(), tokens[rows, positions + 1], reduction="none")
         summed = torch.zeros(len(tokens), device=device).index_add_(0, rows, losses).view(-1, 4)
         mean = summed / mask[:, 1:].sum(dim=1).view(-1, 4)
-        right = [(losses.argmin(dim=1) == labels).sum() for losses in (summed, mean)]
+        right = [(scores.argmin(dim=1) == labels).sum() for scores in (summed, mean)]
         counts += torch.stack([torch.tensor(len(labels), device=device), *right])
     model.train()
     if launch.torchrun:
