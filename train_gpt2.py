@@ -105,8 +105,8 @@ class TrainConfig:
                       "off CUDA)", choices=["auto", "float32", "bfloat16", "float16"])
     compile: bool | None = flag(None, "torch.compile (default: on for CUDA where Triton runs; off "
                                       "for --generate)")
-    loss_chunk_size: int | None = flag(None, "loss over slices of N tokens; 0: full logits "
-                                             "(default: 0 with compile, else 8192)")
+    loss_chunk_size: int = flag(0, "loss over slices of N tokens, made again in backward (less "
+                                "memory); 0: full logits")
     recompute: bool = flag(False, "recompute each block's activations in backward (less memory)")
     shard_optimizer: bool = flag(False, "under torchrun, share the optimizer state out (ZeRO-1)")
     seed: int = flag(1337, "seed for initialisation, shuffling and sampling")
@@ -144,37 +144,44 @@ def model_shape(cfg: TrainConfig) -> tuple[int, int, int]:
 
 
 def settle_defaults(cfg: TrainConfig, launch) -> tuple[TrainConfig, list[str]]:
-    """cfg with the defaults that depend on the machine or other flags decided, and lines saying
-    why a GPU run leaves out part of the recipe."""
+    """cfg with the defaults that depend on the machine decided, and lines saying why a GPU run
+    leaves out part of the recipe."""
     device = pick_device(cfg.device, launch, torch.cuda.device_count(),
                          torch.backends.mps.is_available())
-    gpu = device.startswith("cuda")
-    card = torch.cuda.get_device_name(device) if gpu else ""
-    major, minor = torch.cuda.get_device_capability(device) if gpu else (0, 0)
-    blocker = gpu and compile_blocker(major, minor)
+    gpu, card, major, minor, blocker = device.startswith("cuda"), "", 0, 0, None
     if gpu:
+        card = torch.cuda.get_device_name(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        blocker = compile_blocker(major, minor)
         torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in float32
     # bfloat16 arithmetic came with compute capability 8.0; older GPUs emulate it
     bf16 = major >= 8 or torch.version.hip is not None
-    dtype = cfg.dtype if cfg.dtype != "auto" else "float32" if not gpu else \
-        "bfloat16" if bf16 else "float16"
+    if cfg.dtype != "auto":
+        dtype = cfg.dtype
+    elif gpu:
+        dtype = "bfloat16" if bf16 else "float16"
+    else:
+        dtype = "float32"
     if gpu and dtype == "bfloat16" and not bf16:
         raise ConfigError(f"--dtype bfloat16: {card} (compute capability {major}.{minor}) has no "
                           "bfloat16 arithmetic: use --dtype float16")
-    compile = cfg.compile if cfg.compile is not None else gpu and not blocker and not cfg.generate
+    notes = []
+    if cfg.compile is not None:
+        compile = cfg.compile
+    else:  # on by default on CUDA, but not for --generate (compiling outlasts a short text)
+        compile = gpu and not blocker and not cfg.generate
+        if blocker and not cfg.generate:
+            notes.append(f"compile off: {blocker} ({COMPILE_GAIN})")
     if compile and blocker:
         raise ConfigError(f"--compile cannot run on {card}: {blocker}; use --no-compile")
-    notes = [f"compile off: {blocker} ({COMPILE_GAIN})"] if cfg.compile is None and blocker \
-        and not cfg.generate else []
-    # (bfloat16 or float16, float32) TFLOP/s of the first pattern the name matches
-    peaks = [peak for pattern, *peak in PEAK_TFLOPS if gpu and re.search(pattern, card)] or [None]
-    return dataclasses.replace(
-        cfg, device=device, dtype=dtype, compile=compile,
-        peak_tflops=cfg.peak_tflops or peaks[0] and peaks[0][1 if dtype == "float32" else 0],
-        shuffle=cfg.shuffle if cfg.shuffle is not None else bool(cfg.data_dir),
-        # compile fuses the plain loss; without it, full float32 logits are the largest tensor
-        loss_chunk_size=cfg.loss_chunk_size if cfg.loss_chunk_size is not None
-        else 0 if compile else 8192), notes
+    peak_tflops = cfg.peak_tflops
+    if gpu and peak_tflops is None:  # (bfloat16 or float16, float32) of the first row that fits
+        peaks = [peak for pattern, *peak in PEAK_TFLOPS if re.search(pattern, card)]
+        if peaks:
+            peak_tflops = peaks[0][1] if dtype == "float32" else peaks[0][0]
+    shuffle = cfg.shuffle if cfg.shuffle is not None else bool(cfg.data_dir)
+    return dataclasses.replace(cfg, device=device, dtype=dtype, compile=compile,
+                               peak_tflops=peak_tflops, shuffle=shuffle), notes
 
 
 # ------------------------------ model
@@ -205,9 +212,9 @@ class CausalSelfAttention(nn.Module):
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         mask = None
-        if cache is not None:  # generating: attend over the layer's cache, new k, v written in
-            keys, values, positions, mask = cache  # KVCache.at's
-            k, v = keys.index_copy_(2, positions, k), values.index_copy_(2, positions, v)
+        if cache is not None:  # generating: k, v written into the cache, attention over all of it
+            kv_cache, layer, positions, mask = cache  # KVCache.at's
+            k, v = kv_cache.update(layer, positions, k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
@@ -271,7 +278,7 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def hidden_states(self, idx, cache: "KVCache | None" = None, positions=None):
-        """idx (B, T) at positions (T,) (default 0 to T - 1) -> (B, T, n_embd) for lm_head."""
+        """idx (B, T) at positions (T,) (default 0 to T - 1) -> (B, T, n_embd) for logits()."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of {T} tokens is longer than block_size "
@@ -289,96 +296,59 @@ class GPT(nn.Module):
         return self.transformer.ln_f(x)
 
     def forward(self, idx, targets=None):
-        """Logits (B, T, vocab_size) for idx (B, T), or the mean loss given targets (B, T)."""
+        """Logits (B, T, vocab_size) for idx (B, T); given targets (B, T), the mean loss alone (the
+        caller keeps no full logits: 6.6 GB in bfloat16 at 64 x 1024)."""
         x = self.hidden_states(idx)
-        if targets is None:
-            return self.lm_head(x)
+        return self.logits(x) if targets is None else self.loss(x, targets)
+
+    def logits(self, x):
+        """(..., n_embd) -> (..., vocab_size): every path (loss, validation, HellaSwag, sampling)
+        makes its logits here, so an edit here reaches them all."""
+        return self.lm_head(x)
+
+    def loss(self, x, targets):
+        """Mean cross-entropy of logits(x) (B, T, vocab_size) against targets (B, T). With
+        loss_chunk_size, a slice of tokens at a time, its logits made again in backward: the full
+        float32 logits (12.3 GiB at 64 x 1024) are never held."""
+        x, targets = x.flatten(0, 1), targets.flatten()
         if not self.config.loss_chunk_size:
-            logits = self.lm_head(x)  # (B, T, vocab_size)
-            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        # the default without compile: the same loss without the full logits (12.3 GiB at 64 x 1024)
-        return ChunkedCrossEntropy.apply(x.flatten(0, 1), self.lm_head.weight, targets.flatten(),
-                                         self.config.loss_chunk_size)
+            return F.cross_entropy(self.logits(x).float(), targets)
+
+        def summed_loss(x, targets):  # summed: the last slice may be shorter
+            return F.cross_entropy(self.logits(x).float(), targets, reduction="sum")
+        size = self.config.loss_chunk_size
+        slices = zip(x.split(size), targets.split(size), strict=True)
+        return sum(torch.utils.checkpoint.checkpoint(summed_loss, *pair, use_reentrant=False)
+                   for pair in slices) / len(targets)
 
 
 # ------------------------------ generation's key/value cache
 
 class KVCache:
-    """keys, values (n_layer, B, n_head, block_size, head_dim): all positions, so every one-token
-    step has the same shapes (one attention plan, one compiled step)."""
+    """Each layer's keys and values, (B, heads, block_size, head_dim) each: all positions, so every
+    one-token step has the same shapes (one attention plan, one compiled step). Made on the
+    prompt's pass in the shape and dtype attention gives them: any head count, size or dtype."""
 
-    def __init__(self, config: GPTConfig, batch_size: int, dtype: torch.dtype, device: str):
-        head_dim = config.n_embd // config.n_head
-        shape = (config.n_layer, batch_size, config.n_head, config.block_size, head_dim)
-        # zeros, not empty: a masked position weighs 0, and 0 x NaN is NaN
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros_like(self.keys)
-        for buffer in (self.keys, self.values):  # written in place: CUDA graphs keep its address
-            torch._dynamo.mark_static_address(buffer, guard=False)
+    def __init__(self, n_layer: int, block_size: int):
+        self.block_size, self.keys, self.values = block_size, [None] * n_layer, [None] * n_layer
 
     def at(self, positions) -> list[tuple]:
-        """(keys, values, positions, visible) a layer; visible (T, block_size): what each sees."""
-        visible = positions[:, None] >= torch.arange(self.keys.size(3), device=positions.device)
-        return [(keys, values, positions, visible)
-                for keys, values in zip(self.keys, self.values, strict=True)]
+        """(cache, layer, positions, visible) a layer; visible (T, block_size): what each sees."""
+        visible = positions[:, None] >= torch.arange(self.block_size, device=positions.device)
+        return [(self, layer, positions, visible) for layer in range(len(self.keys))]
 
-
-# ------------------------------ the chunked loss: no full logits
-
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of hidden @ weight.T, a (chunk_size, vocab) slice of logits at a time.
-    The loss ends the graph: gradients are made in forward, backward scales them."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size: int):
-        # hidden (N, C), weight (V, C), targets (N,); matmuls in autocast's dtype, if on
-        device_type, num_rows = hidden.device.type, hidden.size(0)
-        matmul_dtype = (torch.get_autocast_dtype(device_type)
-                        if torch.is_autocast_enabled(device_type) else weight.dtype)
-        wants_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        matmul_weight = weight.to(matmul_dtype)
-        loss_sum = torch.zeros((), device=hidden.device)
-        grad_hidden = torch.empty_like(hidden) if wants_grad else None
-        grad_weight = torch.zeros(weight.shape, device=weight.device) if wants_grad else None
-        for start in range(0, num_rows, chunk_size):
-            rows = slice(start, start + chunk_size)
-            chunk_hidden = hidden[rows].to(matmul_dtype)
-            logits = (chunk_hidden @ matmul_weight.t()).float()  # (chunk, V): the only logits held
-            chunk_targets = targets[rows]
-            target_logits = logits.gather(1, chunk_targets[:, None])  # (chunk, 1)
-            # log-sum-exp in place (torch.logsumexp makes a second (chunk, V) tensor)
-            row_max = logits.amax(dim=-1, keepdim=True)
-            exp_shifted = logits.sub_(row_max).exp_()
-            sum_exp = exp_shifted.sum(dim=-1, keepdim=True)
-            loss_sum += (row_max + sum_exp.log() - target_logits).sum()
-            if wants_grad:  # d(mean loss)/d(logits) = (softmax - one_hot(target)) / N, in place
-                grad_logits = exp_shifted.div_(sum_exp)
-                row_index = torch.arange(len(chunk_targets), device=logits.device)
-                grad_logits[row_index, chunk_targets] -= 1
-                grad_logits = grad_logits.div_(num_rows).to(matmul_dtype)
-                grad_hidden[rows] = grad_logits @ matmul_weight
-                grad_weight += (grad_logits.t() @ chunk_hidden).float()
-        if wants_grad:
-            ctx.save_for_backward(grad_hidden, grad_weight.to(weight.dtype))
-        return loss_sum / num_rows
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())  # the tied matrix counts once
-
-
-def flops_per_token(model_config: GPTConfig, num_params: int, seq_len: int) -> int:
-    """Training FLOPs a token: 6N for the matmuls, 12 L T C for attention (PaLM, App. B)."""
-    return 6 * num_params + 12 * model_config.n_layer * seq_len * model_config.n_embd
-
-
-def model_flops_utilization(flops_per_step, step_ms, peak_tflops, world_size) -> float:
-    return flops_per_step * 1000 / step_ms / (world_size * peak_tflops * 1e12)
+    def update(self, layer: int, positions, k, v) -> tuple:
+        """k, v (B, heads, T, head_dim) written at positions; the layer's whole keys and values."""
+        for kept, new in ((self.keys, k), (self.values, v)):
+            old = kept[layer]
+            if old is None or (old.dtype, old.shape[:2], old.shape[3:]) != \
+                    (new.dtype, new.shape[:2], new.shape[3:]):
+                # zeros, not empty: a masked position weighs 0, and 0 x NaN is NaN
+                kept[layer] = new.new_zeros(*new.shape[:2], self.block_size, *new.shape[3:])
+                # written in place: CUDA graphs keep its address
+                torch._dynamo.mark_static_address(kept[layer], guard=False)
+        return (self.keys[layer].index_copy_(2, positions, k),
+                self.values[layer].index_copy_(2, positions, v))
 
 
 # ------------------------------ data
@@ -459,30 +429,6 @@ def launch_from_env(environ) -> Launch:
                   torchrun=True, local_world_size=int(environ["LOCAL_WORLD_SIZE"]))
 
 
-def pick_device(requested: str, launch: Launch, gpu_count: int, mps_available: bool) -> str:
-    if requested == "auto":
-        requested = "cuda" if gpu_count else "mps" if mps_available else "cpu"
-    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", requested):
-        raise ConfigError(f"unknown --device {requested!r}: use auto, cpu, cuda, cuda:N or mps")
-    kind, _, index = requested.partition(":")
-    if kind == "cuda" and not gpu_count or kind == "mps" and not mps_available:
-        raise ConfigError(f"--device {requested} is not available on this machine: use --device "
-                          "auto or cpu")
-    if kind == "cuda" and launch.torchrun and index and launch.world_size > 1:
-        raise ConfigError(f"--device {requested} names one GPU for {launch.world_size} processes: "
-                          "use --device cuda")
-    if kind == "cuda" and launch.torchrun and not index:  # one GPU per process
-        if launch.local_world_size > gpu_count:
-            raise ConfigError(f"{launch.local_world_size} processes on this machine, which has "
-                              f"{gpu_count} GPU(s): start one process a GPU "
-                              f"(torchrun --nproc_per_node={gpu_count})")
-        return f"cuda:{launch.local_rank}"
-    if index and int(index) >= gpu_count:
-        raise ConfigError(f"--device {requested} is not on this machine, which has {gpu_count} "
-                          f"GPU(s), cuda:0 to cuda:{gpu_count - 1}: pick one of those")
-    return "cuda:0" if requested == "cuda" else requested  # torch.cuda.set_device needs an index
-
-
 def init_distributed(launch: Launch, device: str):
     """Under torchrun join the process group: gloo for CPU tensors, NCCL for CUDA's."""
     if device.startswith("cuda"):
@@ -491,21 +437,6 @@ def init_distributed(launch: Launch, device: str):
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size,
                                 timeout=DIST_TIMEOUT)
-
-
-def gather(value, launch: Launch) -> list:
-    if not launch.torchrun:
-        return [value]
-    values = [None] * launch.world_size
-    dist.all_gather_object(values, value)
-    return values
-
-
-def raise_first_problem(problems: list[str | None]):
-    """Raise the lowest rank's problem, if any, on every rank: rank 0 says it."""
-    for rank, problem in enumerate(problems):
-        if problem is not None:
-            raise ConfigError(problem if rank == 0 else f"{problem} (on rank {rank})")
 
 
 def all_reduce_mean(value: torch.Tensor, launch: Launch) -> torch.Tensor:
@@ -589,11 +520,36 @@ class TrainResult:
 
 def train(cfg: TrainConfig, launch: Launch, device, stop_signal: dict, notes) -> TrainResult:
     log = MetricsLog(cfg.log_dir, launch.rank == 0, cfg.tensorboard)
-    # model: compiled and DDP-wrapped where on, for forward and backward; raw_model: the plain one
-    (model, raw_model, train_loader, val_loader, optimizers, scaler, autocast, start_step,
-     accum_steps, flops_per_step, hellaswag, tokenizer) = set_up_training(
-        cfg, launch, device, log, notes)
-    step_ms, epoch, W = [], train_loader.epoch, launch.world_size
+    run = open_run(cfg, launch, device, log)  # data, model, checkpoint: the same on every rank
+    raw_model, train_loader, val_loader = run.model, run.train_loader, run.val_loader
+    # model trains (compiled, and in DDP under torchrun); raw_model is saved, sampled, scored
+    model = torch.compile(raw_model) if cfg.compile else raw_model
+    if launch.torchrun:  # DDP all-reduces the gradients in buckets during backward
+        device_ids = [torch.device(device).index] if device.startswith("cuda") else None
+        model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+    scaler = torch.amp.GradScaler(device.split(":")[0], enabled=cfg.dtype == "float16")
+    optimizers = configure_optimizer(raw_model, cfg, fused=device.startswith("cuda"),
+                                     sharded=cfg.shard_optimizer and launch.world_size > 1)
+    torch.manual_seed(cfg.seed + launch.rank)  # dropout: each rank its own masks
+    start_step = restore_checkpoint(run.checkpoint, cfg, raw_model, optimizers, scaler,
+                                    train_loader, device, log)
+    autocast, accum_steps = autocast_for(cfg, device), grad_accum_steps(cfg, launch.world_size)
+    parameters, W = count_parameters(raw_model), launch.world_size
+    flops_per_step = flops_per_token(raw_model.config, parameters, cfg.seq_len) \
+        * cfg.total_batch_size  # for MFU
+    for line in notes + [start_line(cfg, device, W, parameters, accum_steps,
+                                    train_loader.stream.num_tokens)]:
+        log.say(line)
+    if start_step == 0:  # every later path once, before step 0: a broken edit fails here
+        if cfg.eval_every:  # the val curve's first point, at step -1: before training
+            log.val_loss(-1, cfg.max_steps, estimate_val_loss(
+                model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch))
+        if cfg.hellaswag_every:
+            evaluate_hellaswag(raw_model, run.hellaswag[:1], device, autocast, launch)
+        if cfg.sample_every and launch.rank == 0:  # the prompt's pass and a one-token step
+            generate(raw_model, run.tokenizer.encode_ordinary(cfg.prompt), cfg.num_samples, 2,
+                     cfg.temperature, cfg.top_k, cfg.seed, device, autocast, cfg.kv_cache)
+    step_ms, epoch = [], train_loader.epoch
 
     for step in range(start_step, cfg.max_steps):
         started = time.perf_counter()
@@ -613,50 +569,39 @@ def train(cfg: TrainConfig, launch: Launch, device, stop_signal: dict, notes) ->
         loss, grad_norm = loss.item(), grad_norm.item()  # the step's one wait for the device
         elapsed_ms = (time.perf_counter() - started) * 1000
 
-        # the rest is bookkeeping: log, evaluate, sample, checkpoint
+        # the rest is bookkeeping: log, evaluate, checkpoint, sample
         step_ms.append(elapsed_ms)
-        mfu = cfg.peak_tflops and model_flops_utilization(flops_per_step, elapsed_ms,
-                                                          cfg.peak_tflops, W)
-        log.train_step(step, cfg, loss, lr, grad_norm, elapsed_ms, mfu)
+        log.train_step(step, cfg, loss, lr, grad_norm, elapsed_ms, flops_per_step, W)
         # all ranks hold the same loss and gradients: if one stops here, all do
         check_step_finite(step, loss, grad_norm, scaler.is_enabled(), cfg.log_dir)
         if train_loader.epoch > epoch:
             epoch = train_loader.epoch
-            log.write({"step": step, "epoch": epoch}, f"step {step:5d}/{cfg.max_steps} | epoch "
-                      f"{epoch} begins: all {train_loader.num_windows:,} training windows were "
-                      f"used, starting again{' in a new order' if train_loader.shuffle else ''}")
+            log.epoch_begins(step, cfg.max_steps, train_loader)
         steps_done, last_step = step + 1, step + 1 == cfg.max_steps
         if due(cfg.eval_every, steps_done, last_step):
-            val_loss = estimate_val_loss(model, val_loader, cfg.eval_steps, accum_steps,
-                                         device, autocast, launch)
-            log.write({"step": step, "val_loss": val_loss},
-                      f"step {step:5d}/{cfg.max_steps} | val loss {val_loss:.6f}")
+            log.val_loss(step, cfg.max_steps, estimate_val_loss(
+                model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch))
         if due(cfg.hellaswag_every, steps_done, last_step):
-            scores = evaluate_hellaswag(raw_model, hellaswag, device, autocast, launch)
-            log.write({"step": step, **scores}, f"step {step:5d}/{cfg.max_steps} | HellaSwag "
-                      f"acc_norm {scores['hellaswag_acc_norm']:.4f} (acc "
-                      f"{scores['hellaswag_acc']:.4f})")
-        if launch.rank == 0 and due(cfg.sample_every, steps_done, last_step):
-            print_samples(raw_model, tokenizer, cfg, device, autocast)
-
+            log.hellaswag(step, cfg.max_steps,
+                          evaluate_hellaswag(raw_model, run.hellaswag, device, autocast, launch))
         stop = stop_or_fail_together(stop_signal["requested"], [train_loader, val_loader, log],
                                      launch, device)
         pause = not last_step and steps_done - start_step == cfg.stop_after_steps > 0
         if stop or pause or due(cfg.ckpt_every, steps_done, last_step):
             write_checkpoint(cfg, launch, device, raw_model, optimizers, scaler, train_loader,
                              steps_done)
+        if launch.rank == 0 and due(cfg.sample_every, steps_done, last_step):
+            print_samples(raw_model, run.tokenizer, cfg, device, autocast)
         if stop or pause:
-            reason = "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}"
-            log.say(f"stopped by {reason} after step {step}, checkpoint {cfg.log_dir}/ckpt_"
-                    f"{steps_done}.pt written: to continue, {RESUME_AUTO}")
+            log.stopped(step, "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}",
+                        cfg.log_dir)
             break
 
-    if not step_ms:
+    if step_ms:
+        log.summary(step_ms, cfg, device, flops_per_step, W)
+    else:
         log.say(f"nothing to train: the checkpoint is at step {start_step} of --max_steps "
                 f"{cfg.max_steps}")
-    else:
-        summary = step_summary(step_ms, cfg.total_batch_size, flops_per_step, cfg, device, W)
-        log.write({"summary": summary}, summary_line(summary, cfg.peak_tflops))
     stop_or_fail_together(False, [log], launch, device)  # stops every rank if it was not written
     return TrainResult(raw_model, log.records)
 
@@ -682,7 +627,7 @@ def next_token(model: GPT, idx, cache: KVCache | None, positions, noise, tempera
     """(B, 1): the token after idx (B, T) at positions (T,), from the top k: argmax(p / E), E Exp(1)
     noise (B, k), samples p as torch.multinomial does, without waiting for the device."""
     hidden = model.hidden_states(idx, cache, positions)[:, -1]  # (B, n_embd)
-    logits = model.lm_head(hidden)[:, :GPT2_VOCAB_SIZE].float() / temperature  # no padding row
+    logits = model.logits(hidden)[:, :GPT2_VOCAB_SIZE].float() / temperature  # no padding row
     top_logits, top_ids = torch.topk(logits, noise.size(1), dim=-1)
     choice = (F.softmax(top_logits, dim=-1) / noise).argmax(dim=-1, keepdim=True)
     return top_ids.gather(-1, choice)
@@ -692,16 +637,6 @@ def next_token(model: GPT, idx, cache: KVCache | None, positions, noise, tempera
 GENERATE_WARMUP_TOKENS = 3
 # a compiled step's cache, kept with its model: a new one is a new CUDA graph to record
 COMPILED_STEP_CACHES = weakref.WeakKeyDictionary()
-
-
-def generation_cache(model: GPT, batch_size: int, dtype, device: str, keep: bool) -> KVCache:
-    """A new cache, or with keep the model's kept one if it has this batch size and dtype."""
-    cache = COMPILED_STEP_CACHES.get(model) if keep else None
-    if cache is None or (cache.keys.size(1), cache.keys.dtype) != (batch_size, dtype):
-        cache = KVCache(model.config, batch_size, dtype, device)
-    if keep:
-        COMPILED_STEP_CACHES[model] = cache
-    return cache
 
 
 @torch.no_grad()
@@ -720,12 +655,10 @@ def generate(model: GPT, prompt_tokens: list[int], num_samples, max_new_tokens, 
     if compile_step:
         step = torch.compile(next_token, fullgraph=True,
                              mode="reduce-overhead" if device.startswith("cuda") else None)
+    cache = KVCache(model.config.n_layer, block_size) if use_cache else None
+    if use_cache and compile_step:
+        cache = COMPILED_STEP_CACHES.setdefault(model, cache)
     with autocast():  # once: each weight is cast once a generation, not once a token
-        device_type = torch.device(device).type
-        dtype = (torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type)
-                 else torch.get_default_dtype())  # of the keys and values
-        cache = generation_cache(model, num_samples, dtype, device, compile_step) if use_cache \
-            else None
         started = time.perf_counter()
         for length in range(len(context), tokens.size(1)):  # tokens so far
             if timing is not None and length == len(context) + GENERATE_WARMUP_TOKENS:
@@ -774,7 +707,7 @@ def evaluate_hellaswag(model: GPT, batches: list[tuple], device, autocast, launc
         rows, positions = mask[:, 1:].nonzero(as_tuple=True)  # position i predicts token i + 1
         with autocast():
             hidden = model.hidden_states(tokens)[rows, positions]  # (ending tokens, n_embd)
-            logits = model.lm_head(hidden)
+            logits = model.logits(hidden)
         losses = F.cross_entropy(logits.float(), tokens[rows, positions + 1], reduction="none")
         summed = torch.zeros(len(tokens), device=device).index_add_(0, rows, losses).view(-1, 4)
         mean = summed / mask[:, 1:].sum(dim=1).view(-1, 4)
@@ -824,6 +757,15 @@ def parse_args(argv: list[str]) -> TrainConfig:
     return cfg
 
 
+def section_fields(section: str) -> list[str]:
+    """The TrainConfig fields under one of --help's headings."""
+    names, current = [], None
+    for f in dataclasses.fields(TrainConfig):
+        current = f.metadata["section"] or current
+        names += [f.name] if current == section else []
+    return names
+
+
 # Dense tensor-core TFLOP/s from datasheets, for MFU: (pattern of torch's name for the card,
 # bfloat16 or float16, float32 as TF32). GeForce: with float32 accumulation, as autocast's.
 PEAK_TFLOPS = [
@@ -845,6 +787,30 @@ def compile_blocker(major: int, minor: int) -> str | None:
     if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
         return "Triton builds with a C compiler and found none (gcc, clang or $CC): install gcc"
     return None
+
+
+def pick_device(requested: str, launch: Launch, gpu_count: int, mps_available: bool) -> str:
+    if requested == "auto":
+        requested = "cuda" if gpu_count else "mps" if mps_available else "cpu"
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", requested):
+        raise ConfigError(f"unknown --device {requested!r}: use auto, cpu, cuda, cuda:N or mps")
+    kind, _, index = requested.partition(":")
+    if kind == "cuda" and not gpu_count or kind == "mps" and not mps_available:
+        raise ConfigError(f"--device {requested} is not available on this machine: use --device "
+                          "auto or cpu")
+    if kind == "cuda" and launch.torchrun and index and launch.world_size > 1:
+        raise ConfigError(f"--device {requested} names one GPU for {launch.world_size} processes: "
+                          "use --device cuda")
+    if kind == "cuda" and launch.torchrun and not index:  # one GPU per process
+        if launch.local_world_size > gpu_count:
+            raise ConfigError(f"{launch.local_world_size} processes on this machine, which has "
+                              f"{gpu_count} GPU(s): start one process a GPU "
+                              f"(torchrun --nproc_per_node={gpu_count})")
+        return f"cuda:{launch.local_rank}"
+    if index and int(index) >= gpu_count:
+        raise ConfigError(f"--device {requested} is not on this machine, which has {gpu_count} "
+                          f"GPU(s), cuda:0 to cuda:{gpu_count - 1}: pick one of those")
+    return "cuda:0" if requested == "cuda" else requested  # torch.cuda.set_device needs an index
 
 
 def check_config(cfg: TrainConfig, world_size: int):
@@ -905,6 +871,21 @@ def check_config(cfg: TrainConfig, world_size: int):
     for mistake, message in mistakes:
         if mistake:
             raise ConfigError(message)
+
+
+def gather(value, launch: Launch) -> list:
+    if not launch.torchrun:
+        return [value]
+    values = [None] * launch.world_size
+    dist.all_gather_object(values, value)
+    return values
+
+
+def raise_first_problem(problems: list[str | None]):
+    """Raise the lowest rank's problem, if any, on every rank: rank 0 says it."""
+    for rank, problem in enumerate(problems):
+        if problem is not None:
+            raise ConfigError(problem if rank == 0 else f"{problem} (on rank {rank})")
 
 
 def check_same_command(cfg: TrainConfig | None, problem: ConfigError | None, launch: Launch):
@@ -1174,9 +1155,20 @@ def autocast_for(cfg: TrainConfig, device: str):
                              enabled=dtype != torch.float32)
 
 
-def set_up_training(cfg: TrainConfig, launch: Launch, device: str, log, notes) -> tuple:
+@dataclass
+class OpenedRun:
+    """What every rank opened and found the same before training (open_run)."""
+    model: GPT  # on the device, with --init_from's weights; a checkpoint's are loaded later
+    train_loader: DataLoader
+    val_loader: DataLoader | None  # None without --eval_every
+    checkpoint: dict | None  # to resume from
+    hellaswag: list  # this rank's batches; empty without --hellaswag_every
+    tokenizer: object  # for samples; None without --sample_every
+
+
+def open_run(cfg: TrainConfig, launch: Launch, device: str, log) -> OpenedRun:
     """Every rank opens the data, builds the model, finds the checkpoint: a problem on any stops
-    all, and all must find the same (machines may hold other copies). Then the rest."""
+    all, and all must find the same (machines may hold other copies)."""
     problem, found = None, None
     try:
         if launch.rank == 0:
@@ -1187,13 +1179,14 @@ def set_up_training(cfg: TrainConfig, launch: Launch, device: str, log, notes) -
                               f"({os.path.basename(earlier[0])}): continue it with --resume auto, "
                               "or pass another --log_dir")
         train_loader, val_loader = open_data(cfg, launch, with_val=cfg.eval_every > 0)
-        raw_model = build_model(cfg, device)
+        model = build_model(cfg, device)
         checkpoint = find_resume_checkpoint(cfg, log.say)
         if checkpoint is not None:
-            check_resumable(checkpoint, cfg, raw_model.config)
-        hellaswag = (open_hellaswag(cfg, launch, raw_model.config.block_size)
-                     if cfg.hellaswag_every else [])
-        tokenizer = gpt2_tokenizer() if cfg.sample_every else None
+            check_resumable(checkpoint, cfg, model.config)
+        run = OpenedRun(model, train_loader, val_loader, checkpoint,
+                        open_hellaswag(cfg, launch, model.config.block_size)
+                        if cfg.hellaswag_every else [],
+                        gpt2_tokenizer() if cfg.sample_every else None)
         log.begin(checkpoint and checkpoint["step"])
         found = (train_loader.stream.num_tokens, val_loader and val_loader.stream.num_tokens,
                  checkpoint and checkpoint["step"])
@@ -1207,25 +1200,7 @@ def set_up_training(cfg: TrainConfig, launch: Launch, device: str, log, notes) -
                           "give every machine the same shards and a shared --log_dir")
     if launch.rank == 0:
         remove_killed_writes(cfg.log_dir)
-    model = torch.compile(raw_model) if cfg.compile else raw_model
-    if launch.torchrun:  # gradients in DDP's all-reduce buckets
-        device_ids = [torch.device(device).index] if device.startswith("cuda") else None
-        model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
-    scaler = torch.amp.GradScaler(device.split(":")[0], enabled=cfg.dtype == "float16")
-    optimizers = configure_optimizer(raw_model, cfg, fused=device.startswith("cuda"),
-                                     sharded=cfg.shard_optimizer and launch.world_size > 1)
-    torch.manual_seed(cfg.seed + launch.rank)  # dropout: each rank its own masks
-    start_step = restore_checkpoint(checkpoint, cfg, raw_model, optimizers, scaler, train_loader,
-                                    device, log)
-    accum_steps, parameters = grad_accum_steps(cfg, launch.world_size), count_parameters(raw_model)
-    flops_per_step = flops_per_token(raw_model.config, parameters, cfg.seq_len) \
-        * cfg.total_batch_size
-    for line in notes + [start_line(cfg, device, launch.world_size, parameters, accum_steps,
-                                    train_loader.stream.num_tokens)]:
-        log.say(line)
-    return (model, raw_model, train_loader, val_loader, optimizers, scaler,
-            autocast_for(cfg, device), start_step, accum_steps, flops_per_step, hellaswag,
-            tokenizer)
+    return run
 
 
 def start_line(cfg: TrainConfig, device, world_size, parameters, accum_steps, train_tokens) -> str:
@@ -1295,10 +1270,14 @@ def load_openai_weights(name: str) -> dict:
                           "connect to the network, or give a checkpoint") from None
 
 
+def training_settings(cfg: TrainConfig) -> dict:
+    """GPTConfig's fields that each run sets for itself: they leave the weights' meaning alone."""
+    return dict(dropout=cfg.dropout, loss_chunk_size=cfg.loss_chunk_size, recompute=cfg.recompute)
+
+
 def initial_weights(cfg: TrainConfig) -> tuple[GPTConfig, dict | None]:
-    """The model's config (dropout, loss, recompute: this run's) and weights (None: fresh)."""
-    training = dict(dropout=cfg.dropout, loss_chunk_size=cfg.loss_chunk_size or 0,
-                    recompute=cfg.recompute)
+    """The model's config (training_settings: this run's) and weights (None: fresh)."""
+    training = training_settings(cfg)
     if not cfg.init_from:
         return GPTConfig(*model_shape(cfg), cfg.block_size, cfg.vocab_size, **training), None
     if cfg.init_from in MODEL_SHAPES:  # as released: 1024 positions and the 50257 real tokens
@@ -1310,9 +1289,6 @@ def initial_weights(cfg: TrainConfig) -> tuple[GPTConfig, dict | None]:
 
 # ------------------------------ checkpoints
 
-# A resumed run keeps the model's shape, and the units of its data position and schedule
-RESUME_MUST_MATCH = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "total_batch_size",
-                     "seq_len")
 CHECKPOINT_KEYS = {"model", "model_config", "optimizer", "scaler", "step", "config",
                    "windows_consumed", "rng"}
 
@@ -1394,15 +1370,18 @@ def find_resume_checkpoint(cfg: TrainConfig, say) -> dict | None:
 
 
 def check_resumable(checkpoint: dict, cfg: TrainConfig, model_config: GPTConfig):
-    # the shape from the model's config: the shape flags may be empty
-    saved = {**checkpoint["config"], **checkpoint["model_config"]}
-    wanted = {**dataclasses.asdict(cfg), **dataclasses.asdict(model_config)}
-    differing = [f"{name} {saved[name]} -> {wanted[name]}" for name in RESUME_MUST_MATCH
-                 if saved[name] != wanted[name]]
+    """Refuse a checkpoint whose weights, data position or optimizer this run would read wrongly:
+    any GPTConfig field but this run's own (training_settings), whatever fields it has."""
+    saved, wanted = checkpoint["model_config"], dataclasses.asdict(model_config)
+    differing = [f"{name} {saved.get(name)} -> {wanted.get(name)}" for name in {**saved, **wanted}
+                 if name not in training_settings(cfg) and saved.get(name) != wanted.get(name)]
+    differing += [f"{name} {checkpoint['config'][name]} -> {getattr(cfg, name)}"
+                  for name in ("total_batch_size", "seq_len")  # the data position's units
+                  if checkpoint["config"][name] != getattr(cfg, name)]
     if differing:
         raise ConfigError(f"cannot resume from {checkpoint['path']}: {', '.join(differing)} (they "
                           "define its weights, schedule and data position): use its values")
-    if (trained_with := saved["optimizer"]) != cfg.optimizer:
+    if (trained_with := checkpoint["config"]["optimizer"]) != cfg.optimizer:
         raise ConfigError(f"cannot resume from {checkpoint['path']} with --optimizer "
                           f"{cfg.optimizer}: it holds {trained_with}'s state; resume with "
                           f"--optimizer {trained_with}, or start a new run from its weights with "
@@ -1439,14 +1418,14 @@ def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, devic
         log.say(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
                 f"{checkpoint['train_tokens']:,}: its data position points at other tokens now; "
                 "resume with the checkpoint's data to go on exactly")
-    schedule = ("max_lr", "min_lr_ratio", "warmup_steps", "max_steps")
-    changed = [f"--{name} {saved[name]} -> {getattr(cfg, name)}" for name in schedule
-               if saved[name] != getattr(cfg, name)]
-    if changed:  # allowed (to extend a run), but the learning rate jumps
-        old_cfg = dataclasses.replace(cfg, **{name: saved[name] for name in schedule})
-        log.say(f"warning: the learning-rate schedule differs from the checkpoint's "
-                f"({', '.join(changed)}): at step {step} it goes on at {lr_at(step, cfg):.4e} "
-                f"instead of {lr_at(step, old_cfg):.4e}")
+    changed = {name: saved.get(name) for name in section_fields("optimizer and schedule")
+               if saved.get(name) != getattr(cfg, name)}
+    if changed:  # allowed (to extend a run), but the learning rate may jump
+        old_cfg = dataclasses.replace(cfg, **{k: v for k, v in changed.items() if v is not None})
+        flags = ", ".join(f"--{k} {v} -> {getattr(cfg, k)}" for k, v in changed.items())
+        log.say(f"warning: the optimizer and schedule differ from the checkpoint's ({flags}): at "
+                f"step {step} the learning rate goes on at {lr_at(step, cfg):.4e} instead of "
+                f"{lr_at(step, old_cfg):.4e}")
     log.say(f"resumed from step {step} ({checkpoint['windows_consumed']:,} windows into the data)")
     return step
 
@@ -1608,16 +1587,52 @@ class MetricsLog:
             os.truncate(self.path, size)  # no half record left
             self.problem = str(error)
 
-    def train_step(self, step, cfg, loss, lr, grad_norm, elapsed_ms, mfu):
+    def train_step(self, step, cfg, loss, lr, grad_norm, elapsed_ms, flops_per_step, world_size):
         tokens_per_s = cfg.total_batch_size * 1000 / elapsed_ms
         record = {"step": step, "train_loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "ms": elapsed_ms, "tokens_per_s": tokens_per_s}
         line = (f"step {step:5d}/{cfg.max_steps} | loss {loss:.6f} | lr {lr:.4e} | norm "
                 f"{grad_norm:.4f} | {elapsed_ms:.0f} ms | {tokens_per_s:,.0f} tok/s")
-        if mfu is not None:
-            record["mfu"] = mfu
-            line += f" | MFU {100 * mfu:.1f}%"
+        if cfg.peak_tflops:
+            record["mfu"] = model_flops_utilization(flops_per_step, elapsed_ms, cfg.peak_tflops,
+                                                    world_size)
+            line += f" | MFU {100 * record['mfu']:.1f}%"
         self.write(record, line)
+
+    def val_loss(self, step, max_steps, val_loss):
+        self.write({"step": step, "val_loss": val_loss},
+                   f"step {step:5d}/{max_steps} | val loss {val_loss:.6f}")
+
+    def hellaswag(self, step, max_steps, scores):
+        self.write({"step": step, **scores}, f"step {step:5d}/{max_steps} | HellaSwag acc_norm "
+                   f"{scores['hellaswag_acc_norm']:.4f} (acc {scores['hellaswag_acc']:.4f})")
+
+    def epoch_begins(self, step, max_steps, loader):
+        self.write({"step": step, "epoch": loader.epoch}, f"step {step:5d}/{max_steps} | epoch "
+                   f"{loader.epoch} begins: all {loader.num_windows:,} training windows were used, "
+                   f"starting again{' in a new order' if loader.shuffle else ''}")
+
+    def stopped(self, step, reason, log_dir):
+        self.say(f"stopped by {reason} after step {step}, checkpoint {log_dir}/ckpt_{step + 1}.pt "
+                 f"written: to continue, {RESUME_AUTO}")
+
+    def summary(self, step_ms, cfg, device, flops_per_step, world_size):
+        summary = step_summary(step_ms, cfg.total_batch_size, flops_per_step, cfg, device,
+                               world_size)
+        self.write({"summary": summary}, summary_line(summary, cfg.peak_tflops))
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())  # the tied matrix counts once
+
+
+def flops_per_token(model_config: GPTConfig, num_params: int, seq_len: int) -> int:
+    """Training FLOPs a token: 6N for the matmuls, 12 L T C for attention (PaLM, App. B)."""
+    return 6 * num_params + 12 * model_config.n_layer * seq_len * model_config.n_embd
+
+
+def model_flops_utilization(flops_per_step, step_ms, peak_tflops, world_size) -> float:
+    return flops_per_step * 1000 / step_ms / (world_size * peak_tflops * 1e12)
 
 
 def step_summary(step_ms, tokens_per_step, flops_per_step, cfg, device, world_size) -> dict:
@@ -1714,6 +1729,11 @@ def export_hf(cfg: TrainConfig) -> str:
         vocab_size=vocab_size, n_positions=model_config.block_size, n_embd=model_config.n_embd,
         n_layer=model_config.n_layer, n_head=model_config.n_head, resid_pdrop=model_config.dropout,
         embd_pdrop=model_config.dropout, attn_pdrop=model_config.dropout))
+    problem = first_unplaced_tensor(state_to_openai(state, vocab_size), state_to_openai(
+        state_from_openai(hf_model.state_dict()), vocab_size))
+    if problem:
+        raise ConfigError(f"cannot export {cfg.init_from} as GPT-2: {problem} (transformers' "
+                          "layout, where a changed model's tensors must map one to one)")
     hf_model.load_state_dict(state_to_openai(state, vocab_size))
     temporary = f"{os.path.normpath(cfg.export_hf)}.{os.uname().nodename}-{os.getpid()}.tmp"
     try:
@@ -1729,6 +1749,19 @@ def export_hf(cfg: TrainConfig) -> str:
     print(f"wrote {cfg.init_from} to {cfg.export_hf}: load it with AutoTokenizer.from_pretrained"
           f"({cfg.export_hf!r}) and GPT2LMHeadModel.from_pretrained({cfg.export_hf!r})", flush=True)
     return cfg.export_hf
+
+
+def first_unplaced_tensor(ours: dict, gpt2: dict) -> str | None:
+    """The first of our tensors that GPT-2's state (gpt2) has no place of its shape for, or the
+    first of GPT-2's we lack; None if they map one to one."""
+    for name, tensor in ours.items():
+        if name not in gpt2:
+            return f"its tensor {name} has no place in GPT-2"
+        if tensor.shape != gpt2[name].shape:
+            return (f"its {name} is {tuple(tensor.shape)} where GPT-2's is "
+                    f"{tuple(gpt2[name].shape)}")
+    missing = [name for name in gpt2 if name not in ours]
+    return f"it has no {missing[0]}, which GPT-2 needs" if missing else None
 
 
 def save_pretrained(hf_model, folder: str):
@@ -1767,10 +1800,13 @@ def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str
     where = f"out of memory on {device} at micro batch {B} x {T}"
     # the largest smaller micro batch that divides a step trains the same
     smaller = [b for b in range(B - 1, 0, -1) if cfg.total_batch_size % (b * T * world_size) == 0]
+    savers = [flag for flag, on in (("--loss_chunk_size 8192", cfg.loss_chunk_size),
+                                    ("--recompute", cfg.recompute)) if not on]
     if smaller:
         return (f"{where}: lower --micro_batch_size to {smaller[0]} (a step stays "
-                f"{cfg.total_batch_size:,} tokens, in more micro-steps)")
-    add = "" if cfg.recompute else "add --recompute, "
+                f"{cfg.total_batch_size:,} tokens, in more micro-steps)"
+                + (f", or add {savers[0]}" if not cfg.loss_chunk_size else ""))
+    add = f"add {' or '.join(savers)}, " if savers else ""
     return f"{where}: {add}lower --seq_len or pick a smaller --model"
 
 

@@ -200,7 +200,7 @@ def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):
     assert set(checkpoint) == {"model", "model_config", "optimizer", "scaler", "step", "config", "windows_consumed",
                                "train_tokens", "rng"}
     assert checkpoint["model_config"] == {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64,
-                                          "vocab_size": 50304, "dropout": 0.0, "loss_chunk_size": 8192,
+                                          "vocab_size": 50304, "dropout": 0.0, "loss_chunk_size": 0,
                                           "recompute": False}
     assert checkpoint["step"] == 3 and checkpoint["windows_consumed"] == 24
     assert checkpoint["train_tokens"] == 304_222  # tiny Shakespeare's first 90%
@@ -481,8 +481,8 @@ def test_resuming_with_another_schedule_says_how_the_learning_rate_jumps(tmp_pat
     result = run(["--max_steps", "8", "--warmup_steps", "1", "--resume", "auto"], tmp_path)
     old, new = t.parse_args(EIGHT_STEPS + ["--max_steps", "4", "--warmup_steps", "1"]), \
         t.parse_args(EIGHT_STEPS + ["--warmup_steps", "1"])
-    assert (f"warning: the learning-rate schedule differs from the checkpoint's (--max_steps 4 -> 8): at step 4 it "
-            f"goes on at {t.lr_at(4, new):.4e} instead of {t.lr_at(4, old):.4e}") in capsys.readouterr().out
+    assert (f"warning: the optimizer and schedule differ from the checkpoint's (--max_steps 4 -> 8): at step 4 the "
+            f"learning rate goes on at {t.lr_at(4, new):.4e} instead of {t.lr_at(4, old):.4e}") in capsys.readouterr().out
     assert t.lr_at(4, old) == pytest.approx(3e-4)  # the minimum: the old run had ended
     assert [r["lr"] for r in result.records if "lr" in r][0] == t.lr_at(4, new) > 6 * t.lr_at(4, old)
 

@@ -282,6 +282,6 @@ def test_a_rank_that_runs_out_of_memory_says_so_in_one_line_and_ends_every_rank(
     assert result.returncode != 0
     # 384 tokens a step on 3 ranks is 4 sequences of 32 a rank: 2 is the next micro batch that divides it
     message = ("error: out of memory on cpu at micro batch 4 x 32: lower --micro_batch_size to 2 (a step stays "
-               "384 tokens, in more micro-steps)")
+               "384 tokens, in more micro-steps), or add --loss_chunk_size 8192")
     assert [line for line in result.stderr.splitlines() if line.startswith("error: ")] == [message], result.stderr
     assert "step     4/100000" not in result.stdout

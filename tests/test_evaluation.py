@@ -387,14 +387,15 @@ def test_cached_decoding_gives_the_same_logits_and_tokens():
     torch.manual_seed(0)
     model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64))
     tokens = torch.randint(0, 64, (2, 20))
-    cache = t.KVCache(model.config, 2, torch.float32, "cpu")
+    cache = t.KVCache(n_layer=2, block_size=32)
     with torch.no_grad():
         stepwise = [model.hidden_states(tokens[:, :12], cache, torch.arange(12))[:, -1]]  # the prompt in one call
         stepwise += [model.hidden_states(tokens[:, i : i + 1], cache, torch.tensor([i]))[:, -1]
                      for i in range(12, 20)]  # then one at a time
         full = model.hidden_states(tokens)[:, 11:]
     torch.testing.assert_close(torch.stack(stepwise, dim=1), full, rtol=0, atol=1e-5)
-    assert tuple(cache.keys.shape) == (2, 2, 2, 32, 16)  # layers, samples, heads, all block_size positions, head_dim
+    assert [tuple(keys.shape) for keys in cache.keys] == [(2, 2, 32, 16)] * 2  # a layer: samples, heads, all
+    assert cache.keys[0].dtype == cache.values[1].dtype == torch.float32  # block_size positions, head_dim
     for length in (10, 29, 30, 50):  # past 29 the text outgrows block_size: both reread the last 32 tokens
         with_cache = t.generate(model, [1, 2, 3], 3, length, 1.0, 20, 7, "cpu", contextlib.nullcontext, True)
         without = t.generate(model, [1, 2, 3], 3, length, 1.0, 20, 7, "cpu", contextlib.nullcontext, False)
@@ -457,11 +458,12 @@ def test_compiled_generations_of_any_length_share_one_graph_and_one_cache():
     counters.clear()
     first = generate(*calls[0], True)
     cache = t.COMPILED_STEP_CACHES[model]
-    keys, values = cache.keys.data_ptr(), cache.values.data_ptr()
+    keys, values = [k.data_ptr() for k in cache.keys], [v.data_ptr() for v in cache.values]
     second = generate(*calls[1], True)  # into the first call's cache, stale positions and all
     assert [first, second] == eager  # the tokens of a fresh cache
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"] and not counters["graph_break"]
-    assert t.COMPILED_STEP_CACHES[model] is cache and (cache.keys.data_ptr(), cache.values.data_ptr()) == (keys, values)
+    assert t.COMPILED_STEP_CACHES[model] is cache
+    assert ([k.data_ptr() for k in cache.keys], [v.data_ptr() for v in cache.values]) == (keys, values)
 
 
 def test_generation_casts_each_weight_once_under_autocast_not_once_a_token():
