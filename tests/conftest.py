@@ -35,6 +35,8 @@ TINY_ARGS = [
 
 
 def pytest_configure(config):
+    # `pytest -m "not recipe" tests/test_model.py` after an edit to the model: the invariants alone
+    config.addinivalue_line("markers", "recipe: pins GPT-2's published numbers (sizes, init, learning rates)")
     # A file or socket a test leaves open fails that test (python -X dev -W error::ResourceWarning would only warn)
     config.addinivalue_line("filterwarnings", "error::ResourceWarning")
     config.addinivalue_line("filterwarnings", "error::pytest.PytestUnraisableExceptionWarning")

@@ -1,7 +1,7 @@
 """Peak memory and time of one forward + backward, with the loss chunked or plain and the blocks recomputed or not
 (a figure for the README, not a test).
 
-    python3 tests/step_memory.py --loss_chunk_size 8192      # or 0: the plain loss over full logits
+    python3 tests/step_memory.py --loss_chunk_size 1024      # or 0 (the default): the plain loss over full logits
     python3 tests/step_memory.py --recompute --n_layer 12 --n_head 12 --n_embd 768 --batch_size 4   # GPT-2 124M
     python3 tests/step_memory.py --code DIR ...               # DIR/train_gpt2.py instead of this checkout's
 
@@ -22,7 +22,7 @@ import torch
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--loss_chunk_size", type=int, default=8192)
+    parser.add_argument("--loss_chunk_size", type=int, default=0)
     parser.add_argument("--recompute", action="store_true", help="recompute the blocks in backward")
     parser.add_argument("--n_layer", type=int, default=2)
     parser.add_argument("--n_head", type=int, default=2)

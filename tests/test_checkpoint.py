@@ -29,7 +29,7 @@ def logged(log_dir, key="train_loss"):
 def assert_same_weights(a: dict, b: dict):
     assert a.keys() == b.keys()
     for name in a:
-        assert torch.equal(a[name], b[name]), name  # bitwise
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")  # bitwise
 
 
 @pytest.mark.parametrize("dropout", [[], ["--dropout", "0.1"]])  # with dropout, the torch RNG state matters too
@@ -491,3 +491,37 @@ def test_ckpt_every_0_writes_no_checkpoint(tmp_path):
     """The benchmark command: it used to write one at the end anyway (1.49 GB at 124M)."""
     run(["--max_steps", "3", "--warmup_steps", "1", "--ckpt_every", "0"], tmp_path)
     assert list(tmp_path.glob("ckpt_*")) == [] and (tmp_path / "metrics.jsonl").exists()
+
+
+def test_resume_checks_a_model_field_a_hacker_adds_and_names_a_changed_flag_added_to_the_optimizer(
+        tmp_path, monkeypatch, capsys):
+    """The checks named seven shape fields and four schedule flags in lists: a field added to GPTConfig (say, the
+    number of key/value heads) or a flag added under --help's optimizer and schedule went unchecked."""
+    import dataclasses
+
+    def config_with(kv_heads):
+        return dataclasses.make_dataclass("GPTConfig", [("n_kv_head", int, kv_heads)], bases=(t.GPTConfig,))
+
+    fields = [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
+              for f in dataclasses.fields(t.TrainConfig)]
+    after = [name for name, _, _ in fields].index("grad_clip") + 1
+    fields.insert(after, ("lr_floor", float, t.flag(0.0, "a hacker's flag: the lowest learning rate")))
+    monkeypatch.setattr(t, "TrainConfig", dataclasses.make_dataclass("TrainConfig", fields))
+    monkeypatch.setattr(t, "GPTConfig", config_with(2))
+    assert t.parse_args(["--lr_floor", "1e-5"]).lr_floor == 1e-5 and "lr_floor" in t.section_fields(
+        "optimizer and schedule")
+    run(["--max_steps", "4", "--warmup_steps", "1"], tmp_path)
+    assert t.load_checkpoint(str(tmp_path / "ckpt_4.pt"))["model_config"]["n_kv_head"] == 2
+    capsys.readouterr()
+    resumed = run(["--warmup_steps", "1", "--resume", "auto", "--weight_decay", "0", "--lr_floor", "1e-5",
+                   "--dropout", "0.1"], tmp_path)  # dropout: this run's own
+    old = t.parse_args(EIGHT_STEPS + ["--warmup_steps", "1", "--max_steps", "4"])
+    assert (f"warning: the optimizer and schedule differ from the checkpoint's (--max_steps 4 -> 8, --weight_decay "
+            f"0.1 -> 0.0, --lr_floor 0.0 -> 1e-05): at step 4 the learning rate goes on at "
+            f"{resumed.records[0]['lr']:.4e} instead of {t.lr_at(4, old):.4e}") in capsys.readouterr().out
+    monkeypatch.setattr(t, "GPTConfig", config_with(1))
+    with pytest.raises(SystemExit) as stopped:
+        run(["--max_steps", "12", "--resume", "auto"], tmp_path)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (f"error: cannot resume from {tmp_path / 'ckpt_8.pt'}: n_kv_head 2 -> 1 (they "
+                                       "define its weights, schedule and data position): use its values\n")

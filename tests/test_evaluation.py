@@ -530,3 +530,28 @@ def test_eval_only_on_a_runs_checkpoint_takes_its_batch_shape_and_without_hellas
         f"to {tmp_path / 'cache' / 'hellaswag_val.jsonl'} (<urlopen error [Errno 111] Connection refused>): pass "
         "--hellaswag_path with a local copy of it\n")
     assert t.parse_args(["--init_from", str(tmp_path / "log" / "ckpt_3.pt"), "--seq_len", "16"]).seq_len == 16
+
+
+@pytest.mark.parametrize("change, problem", [
+    ("no wpe", "it has no transformer.wpe.weight, which GPT-2 needs"),
+    ("a wider MLP", "its transformer.h.0.mlp.c_fc.weight is (32, 256) where GPT-2's is (32, 128)"),
+    ("2 key/value heads", "its tensor transformer.h.0.attn.q.weight has no place in GPT-2"),
+])
+def test_an_export_whose_tensors_gpt2_cannot_hold_is_one_line_and_writes_nothing(tmp_path, capsys, change, problem):
+    """It ended in an 18-line RuntimeError from load_state_dict. The checkpoints hold what a hacked model saves."""
+    pytest.importorskip("transformers")
+    t.main(t.parse_args(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path / "log")]))
+    checkpoint = torch.load(tmp_path / "log" / "ckpt_2.pt", weights_only=True)
+    state = checkpoint["model"]
+    if change == "no wpe":  # rotary positions, say
+        del state["transformer.wpe.weight"]
+    elif change == "a wider MLP":
+        state["transformer.h.0.mlp.c_fc.weight"] = torch.zeros(256, 32)
+    else:  # grouped-query attention: a query matrix and a smaller key/value one for c_attn
+        c_attn = state.pop("transformer.h.0.attn.c_attn.weight")
+        state["transformer.h.0.attn.q.weight"], state["transformer.h.0.attn.kv.weight"] = c_attn[:32], c_attn[32:48]
+    torch.save(checkpoint, tmp_path / "hacked.pt")
+    line = one_line_exit(capsys, ["--init_from", str(tmp_path / "hacked.pt"), "--export_hf", str(tmp_path / "hf")])
+    assert line == (f"error: cannot export {tmp_path / 'hacked.pt'} as GPT-2: {problem} (transformers' layout, where "
+                    "a changed model's tensors must map one to one)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hacked.pt", "log"]

@@ -7,6 +7,7 @@ import train_gpt2 as t
 from test_model import tiny_model
 
 
+@pytest.mark.recipe
 def test_defaults_are_the_gpt2_124m_recipe():
     cfg = t.parse_args([])
     assert t.model_shape(cfg) == (12, 12, 768)
@@ -19,6 +20,7 @@ def test_defaults_are_the_gpt2_124m_recipe():
     assert t.grad_accum_steps(cfg, world_size=8) == 1
 
 
+@pytest.mark.recipe
 @pytest.mark.parametrize(
     "step, expected",
     [
@@ -36,6 +38,7 @@ def test_lr_schedule_exact_values(step, expected):
     assert t.lr_at(step, t.parse_args([])) == pytest.approx(expected, rel=1e-12, abs=0)
 
 
+@pytest.mark.recipe
 def test_lr_schedule_without_warmup_starts_at_peak():
     cfg = t.parse_args(["--warmup_steps", "0", "--max_steps", "10"])
     assert t.lr_at(0, cfg) == pytest.approx(6e-4, rel=1e-12, abs=0)

@@ -300,3 +300,55 @@ def test_a_log_dir_that_cannot_be_made_is_one_line(tmp_path, capsys):
         assert stopped.value.code == 2
         assert capsys.readouterr().err == (f"error: cannot make --log_dir {log_dir} ({problem}): give a folder you can "
                                            "write to\n")
+
+
+def broken(*args, **kwargs):
+    raise RuntimeError("a broken edit")
+
+
+@pytest.mark.parametrize("path, flags, breaks", [
+    ("validation", ["--eval_every", "10"], ("GPT", "loss")),  # the loss in eval mode
+    ("HellaSwag", ["--hellaswag_every", "10"], ("GPT", "logits")),  # training never calls logits without a loss
+    ("the cached one-token step", ["--sample_every", "10"], ("KVCache", "update")),
+])
+def test_a_broken_edit_on_a_later_path_stops_a_fresh_run_before_step_0(tmp_path, monkeypatch, capsys, path, flags,
+                                                                        breaks):
+    """Each path a run takes later (validation, HellaSwag, sampling with its cache) runs once before step 0, in the
+    run's dtype: an edit that breaks one fails in seconds, with its traceback, not at step 9 or hours in."""
+    from test_evaluation import write_hellaswag
+
+    flags += ["--hellaswag_path", str(write_hellaswag(tmp_path / "hs.jsonl", 3))]
+    method = getattr(getattr(t, breaks[0]), breaks[1])
+    if breaks == ("GPT", "loss"):  # broken in evaluation only: training's own losses still work
+        monkeypatch.setattr(t.GPT, "loss", lambda self, *a: broken() if not self.training else method(self, *a))
+    elif breaks == ("GPT", "logits"):
+        monkeypatch.setattr(t.GPT, "logits", lambda self, x: broken() if x.dim() == 2 else method(self, x))
+    else:
+        monkeypatch.setattr(t.KVCache, "update", broken)
+    with pytest.raises(RuntimeError, match="a broken edit"):
+        run(flags + ["--dtype", "bfloat16"], tmp_path)
+    out = capsys.readouterr().out
+    assert out.startswith("device cpu (bfloat16, compile off)") and " | loss " not in out, (path, out)
+
+
+def test_a_fresh_run_logs_the_val_loss_before_step_0_and_a_resumed_one_does_not(tmp_path, capsys):
+    """The curve's first point: the untrained model's loss on the validation windows, logged at step -1."""
+    first = run(["--max_steps", "2", "--eval_every", "2", "--eval_steps", "1"], tmp_path)
+    cfg = t.parse_args(TINY_ARGS + ["--eval_steps", "1"])
+    untrained, (_, val_loader) = t.build_model(cfg, "cpu"), t.open_data(cfg, t.Launch(), with_val=True)
+    expected = t.estimate_val_loss(untrained, val_loader, 1, t.grad_accum_steps(cfg, 1), "cpu",
+                                   contextlib.nullcontext, t.Launch())
+    assert [(r["step"], r["val_loss"]) for r in first.records if "val_loss" in r][0] == (-1, expected)
+    assert f"step    -1/2 | val loss {expected:.6f}\n" in capsys.readouterr().out
+    resumed = run(["--max_steps", "4", "--eval_every", "2", "--eval_steps", "1", "--resume", "auto"], tmp_path)
+    assert [r["step"] for r in resumed.records if "val_loss" in r] == [3]  # not -1 again
+    kept = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in kept if "val_loss" in r] == [-1, 1, 3]
+
+
+def test_a_checkpoint_due_with_samples_is_written_before_them(tmp_path, monkeypatch):
+    """Samples came first: a sampling edit that crashed lost the steps since the last checkpoint."""
+    seen = []
+    monkeypatch.setattr(t, "print_samples", lambda *args: seen.append(sorted(p.name for p in tmp_path.glob("*/*.pt"))))
+    run(["--max_steps", "4", "--sample_every", "2", "--ckpt_every", "2", "--keep_ckpts", "0"], tmp_path)
+    assert seen == [["ckpt_2.pt"], ["ckpt_2.pt", "ckpt_4.pt"]]
