@@ -42,6 +42,11 @@ def pytest_configure(config):
     config.addinivalue_line("filterwarnings", "error::pytest.PytestUnraisableExceptionWarning")
 
 
+def named(name):
+    """assert_close's msg: its own message (the numbers that differ), after name."""
+    return lambda message: f"{name}: {message}"
+
+
 def run_python(args, env=None, timeout=300, max_file_bytes=None):
     """Run `python ARGS` in the project root, as a user would from a shell. With max_file_bytes, its writes past
     that size in any file fail as the kernel fails them (files_limited_to)."""

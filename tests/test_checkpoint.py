@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import train_gpt2 as t
-from conftest import ROOT, SHAKESPEARE, TINY_ARGS, run_script
+from conftest import ROOT, SHAKESPEARE, TINY_ARGS, named, run_script
 from resume_memory import resident_gib
 from test_ddp import ENTRY, ONE_THREAD, assert_every_rank_stopped_with_one_line, torchrun
 
@@ -29,7 +29,7 @@ def logged(log_dir, key="train_loss"):
 def assert_same_weights(a: dict, b: dict):
     assert a.keys() == b.keys()
     for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")  # bitwise
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=named(name))  # bitwise
 
 
 @pytest.mark.parametrize("dropout", [[], ["--dropout", "0.1"]])  # with dropout, the torch RNG state matters too

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt2 as t
+from conftest import named
 
 
 @pytest.mark.recipe
@@ -99,7 +100,7 @@ def test_chunked_loss_equals_the_plain_loss_and_gradients(chunk_size):
     chunked_loss, chunked_grads = loss_and_gradients(chunk_size)
     torch.testing.assert_close(chunked_loss, plain_loss, rtol=1e-6, atol=0)
     for name, grad in plain_grads.items():
-        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-5, atol=1e-6, msg=named(name))
 
 
 def test_chunked_loss_under_bf16_autocast_matches_within_bf16_rounding():
@@ -108,7 +109,7 @@ def test_chunked_loss_under_bf16_autocast_matches_within_bf16_rounding():
     torch.testing.assert_close(chunked_loss, plain_loss, rtol=1e-5, atol=0)
     for name, grad in plain_grads.items():
         torch.testing.assert_close(chunked_grads[name], grad, rtol=2e-2, atol=8e-3,  # bf16: 8 bits
-                                   msg=lambda m: f"{name}: {m}")
+                                   msg=named(name))
 
 
 def test_chunked_loss_without_gradients_is_the_plain_loss():
@@ -166,7 +167,7 @@ def test_recompute_runs_each_block_again_in_backward_for_the_same_loss_and_gradi
     assert (plain_calls, calls) == (2, 4)  # 2 blocks: once each, or once more in backward
     assert loss == plain_loss
     for name, grad in plain_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=named(name))
     block_calls.clear()
     with torch.no_grad():
         model(x, y)
@@ -314,4 +315,4 @@ def test_resuming_goes_on_exactly_as_a_run_never_stopped(one_thread, tmp_path):
         [r["train_loss"] for r in straight.records if "train_loss" in r][2:]
     for (name, parameter), resumed_parameter in zip(straight.model.named_parameters(), resumed.model.parameters(),
                                                     strict=True):
-        torch.testing.assert_close(resumed_parameter, parameter, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(resumed_parameter, parameter, rtol=0, atol=0, msg=named(name))
