@@ -23,6 +23,7 @@ import signal
 import socket
 import statistics
 import sys
+import sysconfig
 import time
 import typing
 import urllib.parse
@@ -152,7 +153,12 @@ def settle_defaults(cfg: TrainConfig, launch) -> tuple[TrainConfig, list[str]]:
     if gpu:
         card = torch.cuda.get_device_name(device)
         major, minor = torch.cuda.get_device_capability(device)
-        blocker = compile_blocker(major, minor)
+        if torch.version.hip is None and not has_kernels_for(major, minor,
+                                                             torch.cuda.get_arch_list()):
+            raise ConfigError(f"{card} (compute capability {major}.{minor}) has no kernels in "
+                              f"torch {torch.__version__}, built for "
+                              f"{' '.join(torch.cuda.get_arch_list())}: {OLDER_CARDS_TORCH}")
+        blocker = compile_blocker(major, minor, os.environ)
         torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in float32
     # bfloat16 arithmetic came with compute capability 8.0; older GPUs emulate it
     bf16 = major >= 8 or torch.version.hip is not None
@@ -422,13 +428,6 @@ class Launch:
     local_world_size: int = 1  # processes on this machine
 
 
-def launch_from_env(environ) -> Launch:
-    if "RANK" not in environ:
-        return Launch()
-    return Launch(int(environ["RANK"]), int(environ["LOCAL_RANK"]), int(environ["WORLD_SIZE"]),
-                  torchrun=True, local_world_size=int(environ["LOCAL_WORLD_SIZE"]))
-
-
 def init_distributed(launch: Launch, device: str):
     """Under torchrun join the process group: gloo for CPU tensors, NCCL for CUDA's."""
     if device.startswith("cuda"):
@@ -512,13 +511,7 @@ def due(every: int, steps_done: int, last_step: bool) -> bool:
     return bool(every) and (steps_done % every == 0 or last_step)
 
 
-@dataclass
-class TrainResult:
-    model: "GPT"  # the plain model: no DDP or compile wrapper
-    records: list[dict]  # what rank 0 logged; empty on other ranks
-
-
-def train(cfg: TrainConfig, launch: Launch, device, stop_signal: dict, notes) -> TrainResult:
+def train(cfg: TrainConfig, launch: Launch, device, stop_signal: dict, notes) -> "TrainResult":
     log = MetricsLog(cfg.log_dir, launch.rank == 0, cfg.tensorboard)
     run = open_run(cfg, launch, device, log)  # data, model, checkpoint: the same on every rank
     raw_model, train_loader, val_loader = run.model, run.train_loader, run.val_loader
@@ -777,15 +770,37 @@ PEAK_TFLOPS = [
 COMPILE_GAIN = "on an H100 compile trains 1.54x faster: 489k against 317k tokens/s"
 
 
-def compile_blocker(major: int, minor: int) -> str | None:
-    """Why torch.compile (Inductor writes Triton kernels) cannot run on this GPU, or None."""
+# a torch build with kernels for compute capability 5.0 to 9.0; PyPI's default (CUDA 13) has 7.5+
+OLDER_CARDS_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cu126"
+
+
+def has_kernels_for(major: int, minor: int, arch_list: list[str]) -> bool:
+    """Whether torch was built with code this card runs: sm_XY machine code of its major at or
+    below its minor (sm_86 on 8.9), or compute_XY PTX at or below its capability."""
+    for kind, built_major, built_minor in re.findall(r"(sm|compute)_(\d+)(\d)", " ".join(arch_list)):
+        built = (int(built_major), int(built_minor))  # sm_86: (8, 6); sm_100a: (10, 0)
+        if built <= (major, minor) and (kind == "compute" or built[0] == major):
+            return True
+    return False
+
+
+def compile_blocker(major: int, minor: int, environ) -> str | None:
+    """Why torch.compile cannot run on this GPU, or None. Inductor writes Triton kernels; Triton
+    builds a launcher with $CC as given (else gcc, else clang) and Python's headers."""
     from torch.utils._triton import has_triton_package  # whether `import triton` works
     if major < 7:
-        return f"Triton needs compute capability 7.0 or more, this GPU has {major}.{minor}"
+        return f"torch.compile needs compute capability 7.0 or more, this GPU has {major}.{minor}"
     if not has_triton_package():
         return "Triton is not installed (pip install triton)"
-    if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")):
-        return "Triton builds with a C compiler and found none (gcc, clang or $CC): install gcc"
+    compiler = environ["CC"] if "CC" in environ else shutil.which("gcc") or shutil.which("clang")
+    if not (compiler and shutil.which(compiler)):
+        named = f"$CC={environ['CC']!r}" if "CC" in environ else "gcc or clang"
+        return f"Triton builds with a C compiler and cannot run {named}: install gcc"
+    scheme = sysconfig.get_default_scheme()  # as Triton picks it: Debian's posix_local is prefix
+    headers = sysconfig.get_paths("posix_prefix" if scheme == "posix_local" else scheme)["include"]
+    if not os.path.isfile(os.path.join(headers, "Python.h")):
+        return (f"Triton builds with Python's headers and {headers} has no Python.h: install "
+                "python3-dev")
     return None
 
 
@@ -1792,6 +1807,19 @@ def check_export(exported, model_config: GPTConfig, state: dict):
 
 
 # ------------------------------ main
+
+def launch_from_env(environ) -> Launch:
+    if "RANK" not in environ:
+        return Launch()
+    return Launch(int(environ["RANK"]), int(environ["LOCAL_RANK"]), int(environ["WORLD_SIZE"]),
+                  torchrun=True, local_world_size=int(environ["LOCAL_WORLD_SIZE"]))
+
+
+@dataclass
+class TrainResult:
+    model: "GPT"  # the plain model: no DDP or compile wrapper
+    records: list[dict]  # what rank 0 logged; empty on other ranks
+
 
 def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str:
     if cfg.generate:

@@ -98,11 +98,18 @@ CARDS = {
 }
 
 
-def report_card(card, setattr, gpus=1):
+# torch.cuda.get_arch_list() of PyTorch's Linux builds for CUDA 12.6 (5.0 to 9.0) and for CUDA 13.0, PyPI's default
+# (7.5 up, and PTX for 12.0 that newer cards compile)
+ARCH_LISTS = {"cu126": ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"],
+              "cu130": ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]}
+
+
+def report_card(card, setattr, gpus=1, build="cu126"):
     """Make this CPU-only torch report `gpus` of the card: its properties, whence torch's own get_device_name,
     get_device_capability and is_bf16_supported answer (the last true with emulation on every card, as a bfloat16
-    tensor can be made on each, and false without it below 8.0), and a set_device that checks its argument as the
-    real one does first. setattr: pytest's monkeypatch.setattr, or the builtin in a child process."""
+    tensor can be made on each, and false without it below 8.0), a set_device that checks its argument as the
+    real one does first, and the kernels of torch's `build` (ARCH_LISTS). setattr: pytest's monkeypatch.setattr, or
+    the builtin in a child process."""
     from torch.cuda._utils import _get_device_index
 
     name, major, minor, memory = CARDS[card]
@@ -112,3 +119,4 @@ def report_card(card, setattr, gpus=1):
     setattr(torch.cuda, "current_device", lambda: 0)
     setattr(torch.cuda, "_check_bf16_tensor_supported", lambda device: True)
     setattr(torch.cuda, "set_device", lambda device: _get_device_index(device))
+    setattr(torch.cuda, "get_arch_list", lambda: ARCH_LISTS[build])

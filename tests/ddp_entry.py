@@ -11,7 +11,8 @@
     ddp_entry.py nan_loss RANK STEP FLAGS...   train, with rank RANK's loss turning NaN at step STEP (one
                                                micro-step a step)
     ddp_entry.py grad_sync OUT                 one accumulated step both ways; rank 0 saves both gradients
-    ddp_entry.py card NAME FLAGS...            train on a machine of 2 of conftest.CARDS[NAME], as torch reports them
+    ddp_entry.py card NAME[:BUILD] FLAGS...    train on a machine of 2 of conftest.CARDS[NAME], as torch reports them
+                                               (BUILD: a key of conftest.ARCH_LISTS, cu126 unless given)
 """
 
 import contextlib
@@ -103,7 +104,8 @@ def grad_sync(out):
 def card(name, flags):
     from conftest import report_card
 
-    report_card(name, setattr, gpus=2)
+    card_name, _, build = name.partition(":")  # v100:cu130: a V100 under torch's CUDA 13.0 build
+    report_card(card_name, setattr, gpus=2, build=build or "cu126")
     train_gpt2.main(train_gpt2.parse_args(flags))
 
 

@@ -1,12 +1,14 @@
 """What a plain run chooses on the GPUs people own (precision, compile, the peak for MFU), with each card's
 properties reported to this CPU-only torch by a stand-in (conftest.report_card)."""
 
+import sysconfig
+
 import pytest
 import torch
 import torch._dynamo  # before the stand-in Triton: importing it imports a Triton it finds
 import torch._inductor.exc
 import torch.utils._triton
-from conftest import TINY_ARGS, report_card
+from conftest import ARCH_LISTS, CARDS, TINY_ARGS, report_card
 from test_ddp import ENTRY, assert_every_rank_stopped_with_one_line, torchrun
 
 import train_gpt2 as t
@@ -21,9 +23,14 @@ class FirstStep(Exception):
 @pytest.fixture
 def gpu(monkeypatch, tmp_path, capsys):
     """run(card, flags): main() on that card through the start line; (lines printed, autocast dtype or None,
-    the GradScaler on?). Triton is installed and gcc on the PATH, as with pip's CUDA build of torch on Linux."""
+    the GradScaler on?). Triton is installed, gcc on the PATH and Python's headers in place, as with pip's CUDA
+    build of torch on Linux."""
     monkeypatch.setattr(torch.utils._triton, "has_triton_package", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "Python.h").touch()  # Python's headers, as python3-dev installs them
+    paths = sysconfig.get_paths
+    monkeypatch.setattr(sysconfig, "get_paths", lambda *args: {**paths(*args), "include": str(tmp_path / "include")})
     build_model = t.build_model
     monkeypatch.setattr(t, "build_model", lambda cfg, device: build_model(cfg, "cpu"))  # its weights on the CPU
     seen = {}
@@ -71,19 +78,20 @@ def test_h100_a100_4090_under_dtype_float32_are_measured_against_their_tf32_peak
 
 
 def test_1080_runs_float16_without_compile_and_says_why(gpu):
-    """The GTX 1080 Ti (6.1): Triton, and so compile, needs 7.0; its first compiled step raised GPUTooOldForTriton."""
+    """The GTX 1080 Ti (6.1): torch's Inductor, and so compile, needs 7.0; its first compiled step raised
+    GPUTooOldForTriton."""
     lines, dtype, scaler = gpu("1080")
     with pytest.raises(torch._inductor.exc.GPUTooOldForTriton):
         torch._dynamo.device_interface.CudaInterface.raise_if_triton_unavailable(0)  # torch's own check refuses it
-    assert lines[0] == ("compile off: Triton needs compute capability 7.0 or more, this GPU has 6.1 (on an H100 "
-                        "compile trains 1.54x faster: 489k against 317k tokens/s)")
+    assert lines[0] == ("compile off: torch.compile needs compute capability 7.0 or more, this GPU has 6.1 (on an "
+                        "H100 compile trains 1.54x faster: 489k against 317k tokens/s)")
     assert lines[1].startswith(start("NVIDIA GeForce GTX 1080 Ti", "float16, compile off, MFU against 11.3 TFLOP/s"))
     assert dtype == torch.float16 and scaler
 
 
 @pytest.mark.parametrize("card, flags, message", [
-    ("1080", ["--compile"], "--compile cannot run on NVIDIA GeForce GTX 1080 Ti: Triton needs compute capability 7.0 "
-                            "or more, this GPU has 6.1; use --no-compile"),
+    ("1080", ["--compile"], "--compile cannot run on NVIDIA GeForce GTX 1080 Ti: torch.compile needs compute "
+                            "capability 7.0 or more, this GPU has 6.1; use --no-compile"),
     ("v100", ["--dtype", "bfloat16"], "--dtype bfloat16: Tesla V100-SXM2-16GB (compute capability 7.0) has no "
                                       "bfloat16 arithmetic: use --dtype float16"),
     ("t4", ["--dtype", "bfloat16"], "--dtype bfloat16: Tesla T4 (compute capability 7.5) has no bfloat16 arithmetic: "
@@ -110,14 +118,14 @@ def test_a_machine_without_a_c_compiler_trains_without_compile(gpu, monkeypatch,
     monkeypatch.delenv("CC", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no gcc, no clang
     lines, _, _ = gpu("h100")
-    assert lines[0] == ("compile off: Triton builds with a C compiler and found none (gcc, clang or $CC): install "
-                        "gcc (on an H100 compile trains 1.54x faster: 489k against 317k tokens/s)")
+    assert lines[0] == ("compile off: Triton builds with a C compiler and cannot run gcc or clang: install gcc (on "
+                        "an H100 compile trains 1.54x faster: 489k against 317k tokens/s)")
     assert "(bfloat16, compile off, MFU against 989 TFLOP/s)" in lines[1]
     monkeypatch.setattr(t, "build_model", None)
     with pytest.raises(SystemExit):
         t.main(t.parse_args(GPU_ARGS + ["--compile"]))
     assert capsys.readouterr().err == ("error: --compile cannot run on NVIDIA H100 80GB HBM3: Triton builds with a C "
-                                       "compiler and found none (gcc, clang or $CC): install gcc; use --no-compile\n")
+                                       "compiler and cannot run gcc or clang: install gcc; use --no-compile\n")
 
 
 def test_a_card_without_a_known_peak_gets_mfu_only_from_peak_tflops(gpu):
@@ -127,3 +135,49 @@ def test_a_card_without_a_known_peak_gets_mfu_only_from_peak_tflops(gpu):
     assert "(bfloat16, compile on, MFU against 155 TFLOP/s)" in lines[0]
     lines, _, _ = gpu("a100", ["--peak_tflops", "300"])  # it overrides the table
     assert "MFU against 300 TFLOP/s" in lines[0]
+
+
+@pytest.mark.parametrize("build", ["cu130", "cu126"])
+@pytest.mark.parametrize("card", ["v100", "1080", "h100", "4090"])
+def test_a_card_the_torch_build_has_no_kernels_for_is_one_line_naming_the_build_that_has(monkeypatch, capsys, tmp_path,
+                                                                                        card, build):
+    """PyPI's default torch (CUDA 13) starts at 7.5: on a V100 or a 1080 Ti the first CUDA op failed with "no kernel
+    image is available for execution on the device". The CUDA 12.6 build has both; the RTX 4090 (8.9) runs sm_86's."""
+    report_card(card, monkeypatch.setattr, build=build)
+    monkeypatch.setattr(t, "build_model", lambda cfg, device: pytest.fail("started"))
+    with pytest.raises(BaseException) as stopped:
+        t.main(t.parse_args(GPU_ARGS + ["--log_dir", str(tmp_path)]))
+    name, major, minor, _ = CARDS[card]
+    if card in ("v100", "1080") and build == "cu130":
+        assert stopped.value.code == 2 and capsys.readouterr().err == (
+            f"error: {name} (compute capability {major}.{minor}) has no kernels in torch {torch.__version__}, built "
+            "for sm_75 sm_80 sm_86 sm_90 sm_100 sm_120 compute_120: pip install torch --index-url "
+            "https://download.pytorch.org/whl/cu126\n")
+    else:
+        assert isinstance(stopped.value, pytest.fail.Exception)  # it got as far as building the model
+
+
+def test_v100_under_torchrun_with_the_cuda_13_build_stops_every_rank_with_one_line(tmp_path):
+    result = torchrun(2, [ENTRY, "card", "v100:cu130"] + GPU_ARGS + ["--log_dir", str(tmp_path)])
+    assert_every_rank_stopped_with_one_line(
+        result, f"error: Tesla V100-SXM2-16GB (compute capability 7.0) has no kernels in torch {torch.__version__}, "
+        f"built for {' '.join(ARCH_LISTS['cu130'])}: pip install torch --index-url https://download.pytorch.org/whl/cu126")
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("cc, named", [("", "$CC=''"), ("/opt/none/cc", "$CC='/opt/none/cc'")])
+def test_a_cc_triton_cannot_run_turns_compile_off(gpu, monkeypatch, cc, named):
+    """Triton runs $CC as given, even empty, and looks for gcc only without it: gcc on the PATH does not help."""
+    monkeypatch.setenv("CC", cc)
+    lines, _, _ = gpu("h100")
+    assert lines[0] == (f"compile off: Triton builds with a C compiler and cannot run {named}: install gcc (on an H100 "
+                        "compile trains 1.54x faster: 489k against 317k tokens/s)")
+
+
+def test_a_container_without_pythons_headers_trains_without_compile(gpu, monkeypatch, tmp_path):
+    """Triton builds its launcher against Python.h from sysconfig's include folder: a slim image with gcc but no
+    python3-dev let compile on, and the first step failed."""
+    (tmp_path / "include" / "Python.h").unlink()
+    lines, _, _ = gpu("h100")
+    assert lines[0] == (f"compile off: Triton builds with Python's headers and {tmp_path / 'include'} has no Python.h: "
+                        "install python3-dev (on an H100 compile trains 1.54x faster: 489k against 317k tokens/s)")
