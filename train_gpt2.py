@@ -777,7 +777,7 @@ OLDER_CARDS_TORCH = "pip install torch --index-url https://download.pytorch.org/
 def has_kernels_for(major: int, minor: int, arch_list: list[str]) -> bool:
     """Whether torch was built with code this card runs: sm_XY machine code of its major at or
     below its minor (sm_86 on 8.9), or compute_XY PTX at or below its capability."""
-    for kind, built_major, built_minor in re.findall(r"(sm|compute)_(\d+)(\d)", " ".join(arch_list)):
+    for kind, built_major, built_minor in re.findall(r"(sm|compute)_(\d+)(\d)", str(arch_list)):
         built = (int(built_major), int(built_minor))  # sm_86: (8, 6); sm_100a: (10, 0)
         if built <= (major, minor) and (kind == "compute" or built[0] == major):
             return True
