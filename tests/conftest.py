@@ -98,10 +98,10 @@ CARDS = {
 }
 
 
-# torch.cuda.get_arch_list() of PyTorch's Linux builds for CUDA 12.6 (5.0 to 9.0) and for CUDA 13.0, PyPI's default
-# (7.5 up, and PTX for 12.0 that newer cards compile)
+# torch.cuda.get_arch_list() of PyTorch's Linux builds for CUDA 12.6 (5.0 to 9.0, by PyTorch's support matrix) and
+# for CUDA 13.0, PyPI's default (as 2.11.0+cu130 printed it on an H200 here)
 ARCH_LISTS = {"cu126": ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"],
-              "cu130": ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120", "compute_120"]}
+              "cu130": ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]}
 
 
 def report_card(card, setattr, gpus=1, build="cu126"):

@@ -146,11 +146,11 @@ smoke() {
   # a run from the checkpoint takes its shape: of EXTRA_FLAGS, only a CPU try's --device
   [[ " ${extra[*]} " == *" --device cpu "* ]] && from_checkpoint=(--device cpu)
   ours plain 120 "${small[@]}"  # no --device; compile on, the default on CUDA
-  check plain 0 "^device $device \([a-z0-9]+, compile $([ -z "${EXTRA_FLAGS:-}" ] && echo on || echo off)\)" \
+  check plain 0 "^device $device(, [^(]+)? \([a-z0-9]+, compile $([ -z "${EXTRA_FLAGS:-}" ] && echo on || echo off)[,)]" \
     "^summary: "
   run torchrun 90 python3 -m torch.distributed.run --standalone --nproc_per_node=1 train_gpt2.py \
     --log_dir "$RUNDIR/torchrun" "${small[@]}" --no-compile "${extra[@]}"
-  check torchrun 0 "^device $device .*, 1 process" "^summary: "
+  check torchrun 0 "^device $device[ ,].*, 1 process" "^summary: "
   run resume 90 python3 train_gpt2.py --log_dir "$RUNDIR/plain" "${small[@]}" --max_steps 6 --resume auto \
     "${extra[@]}"
   check resume 0 "^resumed from step 4 " "^step +5/6 \| val loss"
@@ -165,7 +165,7 @@ smoke() {
   done
   if [ -z "${EXTRA_FLAGS:-}" ]; then  # float16 (slow on a CPU), and a micro batch far too large: the one-line error
     ours float16 90 "${small[@]}" --dtype float16 --no-compile
-    check float16 0 "^device $device \(float16" "^summary: "
+    check float16 0 "^device $device(, [^(]+)? \(float16" "^summary: "
     ours out-of-memory 90 "${small[@]}" --model gpt2-large --micro_batch_size 64 --total_batch_size 65536 \
       --no-compile
     check out-of-memory 2 "^error: out of memory on $device at micro batch 64 x 1024: lower --micro_batch_size"

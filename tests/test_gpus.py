@@ -151,7 +151,7 @@ def test_a_card_the_torch_build_has_no_kernels_for_is_one_line_naming_the_build_
     if card in ("v100", "1080") and build == "cu130":
         assert stopped.value.code == 2 and capsys.readouterr().err == (
             f"error: {name} (compute capability {major}.{minor}) has no kernels in torch {torch.__version__}, built "
-            "for sm_75 sm_80 sm_86 sm_90 sm_100 sm_120 compute_120: pip install torch --index-url "
+            "for sm_75 sm_80 sm_86 sm_90 sm_100 sm_120: pip install torch --index-url "
             "https://download.pytorch.org/whl/cu126\n")
     else:
         assert isinstance(stopped.value, pytest.fail.Exception)  # it got as far as building the model
@@ -181,3 +181,12 @@ def test_a_container_without_pythons_headers_trains_without_compile(gpu, monkeyp
     lines, _, _ = gpu("h100")
     assert lines[0] == (f"compile off: Triton builds with Python's headers and {tmp_path / 'include'} has no Python.h: "
                         "install python3-dev (on an H100 compile trains 1.54x faster: 489k against 317k tokens/s)")
+
+
+@pytest.mark.parametrize("major, minor, arch_list, runs", [
+    (7, 0, ["sm_75", "sm_80"], False),  # machine code runs only on its own major, at or above its minor
+    (8, 9, ["sm_80", "sm_86"], True), (9, 0, ["sm_90a"], True), (10, 3, ["sm_100f"], True),
+    (12, 1, ["sm_90", "compute_120"], True), (8, 6, ["sm_90", "compute_120"], False),  # PTX: at or below it
+])
+def test_kernels_a_card_runs(major, minor, arch_list, runs):
+    assert t.has_kernels_for(major, minor, arch_list) == runs
