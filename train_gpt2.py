@@ -59,7 +59,7 @@ MODEL_SHAPES = {
 
 
 class ConfigError(Exception):
-    """A user mistake (or a run its settings made diverge): one line, exit status 2."""
+    """A user mistake (or a run its settings made diverge): one line, exit 2."""
 
 
 class DownloadError(ConfigError):
@@ -106,20 +106,19 @@ class TrainConfig:
                       "off CUDA)", choices=["auto", "float32", "bfloat16", "float16"])
     compile: bool | None = flag(None, "torch.compile (default: on for CUDA where Triton runs; off "
                                       "for --generate)")
-    loss_chunk_size: int = flag(0, "loss over slices of N tokens, made again in backward (less "
-                                "memory); 0: full logits")
+    loss_chunk_size: int = flag(0, "loss a slice of N tokens at a time (less memory); 0: off")
     recompute: bool = flag(False, "recompute each block's activations in backward (less memory)")
     shard_optimizer: bool = flag(False, "under torchrun, share the optimizer state out (ZeRO-1)")
     seed: int = flag(1337, "seed for initialisation, shuffling and sampling")
     peak_tflops: float | None = flag(None, "one device's peak TFLOP/s, for MFU (default: the "
-                                           "GPU's, from a table of common GPUs)")
+                                           "GPU's, from a table)")
     init_from: str = flag("", "start from gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint",
                           section="weights and run modes")
     eval_only: bool = flag(False, "print the val loss and HellaSwag accuracy, then exit")
     generate: bool = flag(False, "print --num_samples continuations of --prompt, then exit")
     kv_cache: bool = flag(True, "generate with a key/value cache (same tokens, faster)")
     export_hf: str = flag("", "write --init_from's weights here as a transformers model, then exit")
-    eval_every: int = flag(250, "validation loss every N steps and at the end; 0: never",
+    eval_every: int = flag(250, "val loss before step 0, every N steps and at the end; 0: never",
                            section="evaluation and logging")
     eval_steps: int = flag(20, "validation steps of --total_batch_size tokens per evaluation")
     sample_every: int = flag(250, "print samples every N steps and at the end; 0: never")
@@ -145,19 +144,14 @@ def model_shape(cfg: TrainConfig) -> tuple[int, int, int]:
 
 
 def settle_defaults(cfg: TrainConfig, launch) -> tuple[TrainConfig, list[str]]:
-    """cfg with the defaults that depend on the machine decided, and lines saying why a GPU run
-    leaves out part of the recipe."""
+    """cfg with the machine's defaults decided; lines saying why a GPU leaves out part of it."""
     device = pick_device(cfg.device, launch, torch.cuda.device_count(),
                          torch.backends.mps.is_available())
     gpu, card, major, minor, blocker = device.startswith("cuda"), "", 0, 0, None
     if gpu:
         card = torch.cuda.get_device_name(device)
         major, minor = torch.cuda.get_device_capability(device)
-        if torch.version.hip is None and not has_kernels_for(major, minor,
-                                                             torch.cuda.get_arch_list()):
-            raise ConfigError(f"{card} (compute capability {major}.{minor}) has no kernels in "
-                              f"torch {torch.__version__}, built for "
-                              f"{' '.join(torch.cuda.get_arch_list())}: {OLDER_CARDS_TORCH}")
+        check_kernels(card, major, minor, torch.cuda.get_arch_list())
         blocker = compile_blocker(major, minor, os.environ)
         torch.set_float32_matmul_precision("high")  # TF32 for what autocast leaves in float32
     # bfloat16 arithmetic came with compute capability 8.0; older GPUs emulate it
@@ -174,7 +168,7 @@ def settle_defaults(cfg: TrainConfig, launch) -> tuple[TrainConfig, list[str]]:
     notes = []
     if cfg.compile is not None:
         compile = cfg.compile
-    else:  # on by default on CUDA, but not for --generate (compiling outlasts a short text)
+    else:  # on CUDA, but not for --generate (compiling outlasts a short text)
         compile = gpu and not blocker and not cfg.generate
         if blocker and not cfg.generate:
             notes.append(f"compile off: {blocker} ({COMPILE_GAIN})")
@@ -218,7 +212,7 @@ class CausalSelfAttention(nn.Module):
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         mask = None
-        if cache is not None:  # generating: k, v written into the cache, attention over all of it
+        if cache is not None:  # generating: k, v go into the cache; attend over all of it
             kv_cache, layer, positions, mask = cache  # KVCache.at's
             k, v = kv_cache.update(layer, positions, k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None,
@@ -255,7 +249,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2 as published; module names follow OpenAI's checkpoint, so its weights map 1:1."""
+    """GPT-2 as published; module names follow OpenAI's checkpoint (its weights map 1:1)."""
 
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -302,20 +296,17 @@ class GPT(nn.Module):
         return self.transformer.ln_f(x)
 
     def forward(self, idx, targets=None):
-        """Logits (B, T, vocab_size) for idx (B, T); given targets (B, T), the mean loss alone (the
-        caller keeps no full logits: 6.6 GB in bfloat16 at 64 x 1024)."""
+        """Logits (B, T, vocab_size) for idx (B, T); given targets (B, T), the mean loss alone."""
         x = self.hidden_states(idx)
         return self.logits(x) if targets is None else self.loss(x, targets)
 
     def logits(self, x):
-        """(..., n_embd) -> (..., vocab_size): every path (loss, validation, HellaSwag, sampling)
-        makes its logits here, so an edit here reaches them all."""
+        """(..., n_embd) -> (..., vocab_size): the loss, HellaSwag and sampling all come here."""
         return self.lm_head(x)
 
     def loss(self, x, targets):
-        """Mean cross-entropy of logits(x) (B, T, vocab_size) against targets (B, T). With
-        loss_chunk_size, a slice of tokens at a time, its logits made again in backward: the full
-        float32 logits (12.3 GiB at 64 x 1024) are never held."""
+        """Mean cross-entropy of logits(x) against targets (B, T); with loss_chunk_size, a slice
+        of tokens at a time, remade in backward: no full float32 logits (12.3 GiB at 64 x 1024)."""
         x, targets = x.flatten(0, 1), targets.flatten()
         if not self.config.loss_chunk_size:
             return F.cross_entropy(self.logits(x).float(), targets)
@@ -331,9 +322,9 @@ class GPT(nn.Module):
 # ------------------------------ generation's key/value cache
 
 class KVCache:
-    """Each layer's keys and values, (B, heads, block_size, head_dim) each: all positions, so every
-    one-token step has the same shapes (one attention plan, one compiled step). Made on the
-    prompt's pass in the shape and dtype attention gives them: any head count, size or dtype."""
+    """Each layer's keys and values (B, heads, block_size, head_dim), made on the prompt's pass as
+    attention makes them (any heads, size, dtype): all positions, so every one-token step has
+    the same shapes (one attention plan, one compiled step)."""
 
     def __init__(self, n_layer: int, block_size: int):
         self.block_size, self.keys, self.values = block_size, [None] * n_layer, [None] * n_layer
@@ -346,13 +337,10 @@ class KVCache:
     def update(self, layer: int, positions, k, v) -> tuple:
         """k, v (B, heads, T, head_dim) written at positions; the layer's whole keys and values."""
         for kept, new in ((self.keys, k), (self.values, v)):
-            old = kept[layer]
-            if old is None or (old.dtype, old.shape[:2], old.shape[3:]) != \
-                    (new.dtype, new.shape[:2], new.shape[3:]):
-                # zeros, not empty: a masked position weighs 0, and 0 x NaN is NaN
-                kept[layer] = new.new_zeros(*new.shape[:2], self.block_size, *new.shape[3:])
-                # written in place: CUDA graphs keep its address
-                torch._dynamo.mark_static_address(kept[layer], guard=False)
+            shape = (*new.shape[:2], self.block_size, *new.shape[3:])
+            if kept[layer] is None or (kept[layer].shape, kept[layer].dtype) != (shape, new.dtype):
+                kept[layer] = new.new_zeros(shape)  # not empty: a masked 0 x NaN would be NaN
+                torch._dynamo.mark_static_address(kept[layer], guard=False)  # for CUDA graphs
         return (self.keys[layer].index_copy_(2, positions, k),
                 self.values[layer].index_copy_(2, positions, v))
 
@@ -362,7 +350,7 @@ class KVCache:
 class DataLoader:
     """(B, T) batches of windows of T + 1 tokens (x = window[:-1], y = window[1:]) from token k*T.
     Rank r of W reads B windows from position + r*B, all advance W*B: resumable at any world size.
-    Shuffled: each epoch's order from (seed, epoch) alone."""
+    Shuffled: an epoch's order from (seed, epoch) alone."""
 
     def __init__(self, stream: "TokenStream", batch_size, seq_len, rank, world_size, shuffle, seed):
         self.num_windows = max(0, stream.num_tokens - 1) // seq_len
@@ -429,7 +417,7 @@ class Launch:
 
 
 def init_distributed(launch: Launch, device: str):
-    """Under torchrun join the process group: gloo for CPU tensors, NCCL for CUDA's."""
+    """Under torchrun, join the process group: gloo for CPU tensors, NCCL for CUDA's."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # no stray context on GPU 0
     if launch.torchrun:
@@ -465,8 +453,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def configure_optimizer(model, cfg: TrainConfig, fused: bool, sharded=False) -> list:
-    """AdamW, weight decay on 2-D tensors only; --optimizer muon: Muon for the blocks' matrices
-    (the README says why). sharded: ZeRO-1, with the plain state_dict."""
+    """AdamW, weight decay on 2-D tensors only; --optimizer muon: Muon for the blocks' matrices.
+    sharded: ZeRO-1, with the plain state_dict."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     muon_names = {name for name, p in named if cfg.optimizer == "muon" and p.dim() == 2
                   and name.startswith("transformer.h.")}
@@ -515,7 +503,7 @@ def train(cfg: TrainConfig, launch: Launch, device, stop_signal: dict, notes) ->
     log = MetricsLog(cfg.log_dir, launch.rank == 0, cfg.tensorboard)
     run = open_run(cfg, launch, device, log)  # data, model, checkpoint: the same on every rank
     raw_model, train_loader, val_loader = run.model, run.train_loader, run.val_loader
-    # model trains (compiled, and in DDP under torchrun); raw_model is saved, sampled, scored
+    # model trains (compiled, in DDP under torchrun); raw_model is saved, sampled, scored
     model = torch.compile(raw_model) if cfg.compile else raw_model
     if launch.torchrun:  # DDP all-reduces the gradients in buckets during backward
         device_ids = [torch.device(device).index] if device.startswith("cuda") else None
@@ -527,16 +515,14 @@ def train(cfg: TrainConfig, launch: Launch, device, stop_signal: dict, notes) ->
     start_step = restore_checkpoint(run.checkpoint, cfg, raw_model, optimizers, scaler,
                                     train_loader, device, log)
     autocast, accum_steps = autocast_for(cfg, device), grad_accum_steps(cfg, launch.world_size)
-    parameters, W = count_parameters(raw_model), launch.world_size
-    flops_per_step = flops_per_token(raw_model.config, parameters, cfg.seq_len) \
-        * cfg.total_batch_size  # for MFU
-    for line in notes + [start_line(cfg, device, W, parameters, accum_steps,
-                                    train_loader.stream.num_tokens)]:
+    params, W = count_parameters(raw_model), launch.world_size
+    flops_per_step = cfg.total_batch_size * flops_per_token(raw_model.config, params, cfg.seq_len)
+    for line in notes + [start_line(cfg, device, W, params, accum_steps, train_loader)]:
         log.say(line)
     if start_step == 0:  # every later path once, before step 0: a broken edit fails here
-        if cfg.eval_every:  # the val curve's first point, at step -1: before training
-            log.val_loss(-1, cfg.max_steps, estimate_val_loss(
-                model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch))
+        if cfg.eval_every:  # the curve's first point, "after step -1"
+            log.evaluation(-1, cfg.max_steps, {"val_loss": estimate_val_loss(
+                model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
         if cfg.hellaswag_every:
             evaluate_hellaswag(raw_model, run.hellaswag[:1], device, autocast, launch)
         if cfg.sample_every and launch.rank == 0:  # the prompt's pass and a one-token step
@@ -572,11 +558,11 @@ def train(cfg: TrainConfig, launch: Launch, device, stop_signal: dict, notes) ->
             log.epoch_begins(step, cfg.max_steps, train_loader)
         steps_done, last_step = step + 1, step + 1 == cfg.max_steps
         if due(cfg.eval_every, steps_done, last_step):
-            log.val_loss(step, cfg.max_steps, estimate_val_loss(
-                model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch))
+            log.evaluation(step, cfg.max_steps, {"val_loss": estimate_val_loss(
+                model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
         if due(cfg.hellaswag_every, steps_done, last_step):
-            log.hellaswag(step, cfg.max_steps,
-                          evaluate_hellaswag(raw_model, run.hellaswag, device, autocast, launch))
+            log.evaluation(step, cfg.max_steps,
+                           evaluate_hellaswag(raw_model, run.hellaswag, device, autocast, launch))
         stop = stop_or_fail_together(stop_signal["requested"], [train_loader, val_loader, log],
                                      launch, device)
         pause = not last_step and steps_done - start_step == cfg.stop_after_steps > 0
@@ -586,8 +572,9 @@ def train(cfg: TrainConfig, launch: Launch, device, stop_signal: dict, notes) ->
         if launch.rank == 0 and due(cfg.sample_every, steps_done, last_step):
             print_samples(raw_model, run.tokenizer, cfg, device, autocast)
         if stop or pause:
-            log.stopped(step, "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}",
-                        cfg.log_dir)
+            reason = "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}"
+            log.say(f"stopped by {reason} after step {step}, checkpoint {cfg.log_dir}/ckpt_"
+                    f"{steps_done}.pt written: to continue, {RESUME_AUTO}")
             break
 
     if step_ms:
@@ -626,8 +613,7 @@ def next_token(model: GPT, idx, cache: KVCache | None, positions, noise, tempera
     return top_ids.gather(-1, choice)
 
 
-# left out of --generate's tokens/s: the prompt's pass, compile, CUDA graph record
-GENERATE_WARMUP_TOKENS = 3
+GENERATE_WARMUP_TOKENS = 3  # not in --generate's tokens/s: prompt, compile, CUDA graph record
 # a compiled step's cache, kept with its model: a new one is a new CUDA graph to record
 COMPILED_STEP_CACHES = weakref.WeakKeyDictionary()
 
@@ -636,7 +622,7 @@ COMPILED_STEP_CACHES = weakref.WeakKeyDictionary()
 def generate(model: GPT, prompt_tokens: list[int], num_samples, max_new_tokens, temperature, top_k,
              seed, device, autocast, use_cache=True, compile_step=False, timing=None) -> list:
     """Continuations from a private generator (training's RNG untouched); an empty prompt starts
-    from <|endoftext|>, as GPT-2's did. Past block_size, each token rereads the last block_size.
+    from <|endoftext|>, as GPT-2's did; past block_size, the last block_size tokens are reread.
     Nothing waits for the device until the end."""
     model.eval()
     context, block_size = prompt_tokens or [END_OF_TEXT], model.config.block_size
@@ -691,8 +677,7 @@ def print_samples(model: GPT, tokenizer, cfg, device, autocast, compile_step=Fal
 
 @torch.no_grad()
 def evaluate_hellaswag(model: GPT, batches: list[tuple], device, autocast, launch) -> dict:
-    """acc: the ending of lowest summed loss is right; acc_norm: of lowest mean loss a token.
-    Only positions that predict ending tokens get logits."""
+    """acc: the ending of lowest summed loss is right; acc_norm: of lowest mean loss a token."""
     model.eval()
     counts = torch.zeros(3, device=device)  # examples, right by summed, by mean loss
     for batch in batches:  # tokens, mask (4n, L): example i in rows 4i to 4i + 3
@@ -717,12 +702,12 @@ def evaluate_hellaswag(model: GPT, batches: list[tuple], device, autocast, launc
 # ------------------------------ the command line and the machine
 
 class _OneLineErrorParser(argparse.ArgumentParser):
-    def error(self, message):  # argparse would print its usage and exit
+    def error(self, message):  # instead of argparse's usage and exit
         raise ConfigError(f"{message} (see --help)")
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
-    """Every TrainConfig field a --flag; an --init_from checkpoint's batch shape unless given."""
+    """Every TrainConfig field a --flag; --init_from's checkpoint gives the batch shape."""
     parser = _OneLineErrorParser(
         description="Pretrain GPT-2 (defaults: the 124M recipe on GPUs).", usage="%(prog)s [flags]",
         formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=32))
@@ -770,24 +755,23 @@ PEAK_TFLOPS = [
 COMPILE_GAIN = "on an H100 compile trains 1.54x faster: 489k against 317k tokens/s"
 
 
-# a torch build with kernels for compute capability 5.0 to 9.0; PyPI's default (CUDA 13) has 7.5+
-OLDER_CARDS_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cu126"
-
-
-def has_kernels_for(major: int, minor: int, arch_list: list[str]) -> bool:
-    """Whether torch was built with code this card runs: sm_XY machine code of its major at or
-    below its minor (sm_86 on 8.9), or compute_XY PTX at or below its capability."""
+def check_kernels(card: str, major: int, minor: int, arch_list: list[str]):
+    """Refuse a torch with no code this card runs: sm_XY of its major at or below its minor, or
+    compute_XY (PTX) at or below its capability."""
     for kind, built_major, built_minor in re.findall(r"(sm|compute)_(\d+)(\d)", str(arch_list)):
         built = (int(built_major), int(built_minor))  # sm_86: (8, 6); sm_100a: (10, 0)
         if built <= (major, minor) and (kind == "compute" or built[0] == major):
-            return True
-    return False
+            return
+    if torch.version.hip is None:  # CUDA 12.6's build: 5.0 to 9.0; PyPI's (CUDA 13): 7.5 up
+        raise ConfigError(f"{card} (compute capability {major}.{minor}) has no kernels in torch "
+                          f"{torch.__version__}, built for {' '.join(arch_list)}: pip install "
+                          "torch --index-url https://download.pytorch.org/whl/cu126")
 
 
 def compile_blocker(major: int, minor: int, environ) -> str | None:
-    """Why torch.compile cannot run on this GPU, or None. Inductor writes Triton kernels; Triton
-    builds a launcher with $CC as given (else gcc, else clang) and Python's headers."""
-    from torch.utils._triton import has_triton_package  # whether `import triton` works
+    """Why torch.compile cannot run on this GPU, or None. Triton (Inductor's kernels) builds with
+    $CC as given (else gcc, else clang) and Python's headers."""
+    from torch.utils._triton import has_triton_package
     if major < 7:
         return f"torch.compile needs compute capability 7.0 or more, this GPU has {major}.{minor}"
     if not has_triton_package():
@@ -796,7 +780,7 @@ def compile_blocker(major: int, minor: int, environ) -> str | None:
     if not (compiler and shutil.which(compiler)):
         named = f"$CC={environ['CC']!r}" if "CC" in environ else "gcc or clang"
         return f"Triton builds with a C compiler and cannot run {named}: install gcc"
-    scheme = sysconfig.get_default_scheme()  # as Triton picks it: Debian's posix_local is prefix
+    scheme = sysconfig.get_default_scheme()  # as Triton picks it
     headers = sysconfig.get_paths("posix_prefix" if scheme == "posix_local" else scheme)["include"]
     if not os.path.isfile(os.path.join(headers, "Python.h")):
         return (f"Triton builds with Python's headers and {headers} has no Python.h: install "
@@ -922,7 +906,7 @@ def gpt2_tokenizer():
     import tiktoken  # here: importing this file does no work
     try:
         return tiktoken.get_encoding("gpt2")
-    except (OSError, ValueError) as error:  # offline, nothing cached; a damaged file
+    except (OSError, ValueError) as error:  # offline and not cached; a damaged file
         raise ConfigError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
                           "downloads its two files once; connect to the network, or set "
                           "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
@@ -1007,7 +991,7 @@ def load_token_streams(cfg: TrainConfig) -> tuple[TokenStream, TokenStream]:
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_CACHE = os.path.expanduser("~/.cache/train_gpt2/hellaswag_val.jsonl")
-# Tokens per scoring batch, padding included; only ending tokens (a quarter) get logits: 0.4 GiB
+# Tokens per scoring batch, padding included; only ending tokens (a quarter) get logits
 HELLASWAG_BATCH_TOKENS = 8192
 
 
@@ -1065,7 +1049,7 @@ def pack_hellaswag(rendered: list[tuple], max_tokens: int) -> list[tuple]:
 
 # ------------------------------ setting up a run
 
-RESUME_AUTO = "run the same command with --resume auto"  # the fix after a failed write in a run
+RESUME_AUTO = "run the same command with --resume auto"
 
 
 @contextlib.contextmanager
@@ -1086,7 +1070,7 @@ def failed_write_is_one_line(path: str, then: str):
 
 def write_atomically(path: str, write, then: str = RESUME_AUTO):
     """write(file) to this process's temporary file, fsync, rename: readers see the old file or
-    the whole new one. A failed write: one ConfigError ending with `then`."""
+    the whole new one."""
     temporary = f"{path}.{os.uname().nodename}-{os.getpid()}.tmp"
     try:
         with failed_write_is_one_line(path, then), open(temporary, "wb") as f:
@@ -1135,7 +1119,7 @@ def open_data(cfg: TrainConfig, launch: Launch, with_val: bool) -> tuple[DataLoa
 
 
 def open_hellaswag(cfg: TrainConfig, launch: Launch, block_size: int) -> list[tuple]:
-    """This rank's share of HellaSwag (examples r, r + W, ...), tokenized, in batches."""
+    """This rank's HellaSwag examples (r, r + W, ...), tokenized, in batches."""
     path = cfg.hellaswag_path or HELLASWAG_CACHE
     if not os.path.exists(path):
         download(HELLASWAG_URL, path, "pass --hellaswag_path with a local copy of it")
@@ -1172,13 +1156,13 @@ def autocast_for(cfg: TrainConfig, device: str):
 
 @dataclass
 class OpenedRun:
-    """What every rank opened and found the same before training (open_run)."""
-    model: GPT  # on the device, with --init_from's weights; a checkpoint's are loaded later
+    """What every rank opened, and found the same, before training."""
+    model: GPT  # on the device, with --init_from's weights (a checkpoint's come later)
     train_loader: DataLoader
     val_loader: DataLoader | None  # None without --eval_every
     checkpoint: dict | None  # to resume from
-    hellaswag: list  # this rank's batches; empty without --hellaswag_every
-    tokenizer: object  # for samples; None without --sample_every
+    hellaswag: list  # this rank's batches, if --hellaswag_every
+    tokenizer: object  # if --sample_every
 
 
 def open_run(cfg: TrainConfig, launch: Launch, device: str, log) -> OpenedRun:
@@ -1198,9 +1182,9 @@ def open_run(cfg: TrainConfig, launch: Launch, device: str, log) -> OpenedRun:
         checkpoint = find_resume_checkpoint(cfg, log.say)
         if checkpoint is not None:
             check_resumable(checkpoint, cfg, model.config)
-        run = OpenedRun(model, train_loader, val_loader, checkpoint,
-                        open_hellaswag(cfg, launch, model.config.block_size)
-                        if cfg.hellaswag_every else [],
+        hellaswag = open_hellaswag(cfg, launch, model.config.block_size) \
+            if cfg.hellaswag_every else []
+        run = OpenedRun(model, train_loader, val_loader, checkpoint, hellaswag,
                         gpt2_tokenizer() if cfg.sample_every else None)
         log.begin(checkpoint and checkpoint["step"])
         found = (train_loader.stream.num_tokens, val_loader and val_loader.stream.num_tokens,
@@ -1218,7 +1202,7 @@ def open_run(cfg: TrainConfig, launch: Launch, device: str, log) -> OpenedRun:
     return run
 
 
-def start_line(cfg: TrainConfig, device, world_size, parameters, accum_steps, train_tokens) -> str:
+def start_line(cfg: TrainConfig, device, world_size, parameters, accum_steps, loader) -> str:
     W, gpu = world_size, device.startswith("cuda")
     card = f", {torch.cuda.get_device_name(device)}" if gpu else ""
     mfu = (f", MFU against {cfg.peak_tflops:g} TFLOP/s" if cfg.peak_tflops else
@@ -1228,7 +1212,7 @@ def start_line(cfg: TrainConfig, device, world_size, parameters, accum_steps, tr
     return (f"device {device}{card} ({cfg.dtype}, compile {'on' if cfg.compile else 'off'}{mfu}), "
             f"{W} process(es); {parameters:,} parameters; {cfg.total_batch_size:,} tokens per step "
             f"= {accum_steps} micro-steps x {W} process(es) x {cfg.micro_batch_size} x "
-            f"{cfg.seq_len}; {sharded}{train_tokens:,} train tokens")
+            f"{cfg.seq_len}; {sharded}{loader.stream.num_tokens:,} train tokens")
 
 
 # ------------------------------ weights to start from
@@ -1239,7 +1223,7 @@ OPENAI_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weigh
 
 
 def state_from_openai(hf_state: dict) -> dict:
-    """transformers' GPT2LMHeadModel state in our names (4 matrices transposed)."""
+    """transformers' GPT2LMHeadModel state in our layout."""
     return {name: tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor
             for name, tensor in hf_state.items()
             if not name.endswith((".attn.bias", ".attn.masked_bias"))}  # older versions' masks
@@ -1254,7 +1238,7 @@ def state_to_openai(state: dict, vocab_size: int) -> dict:
 
 
 def import_transformers(flag: str):
-    """transformers, without its warnings on optional packages and its progress bars."""
+    """transformers, without its warnings and progress bars."""
     import logging
     logging.disable(logging.WARNING)
     try:
@@ -1270,7 +1254,7 @@ def import_transformers(flag: str):
 
 
 def load_openai_weights(name: str) -> dict:
-    """OpenAI's weights through transformers: from its cache, else the Hugging Face hub."""
+    """OpenAI's weights through transformers: its cache, else the Hugging Face hub."""
     GPT2LMHeadModel = import_transformers(f"--init_from {name}").GPT2LMHeadModel
     from huggingface_hub.constants import ENDPOINT
     with contextlib.suppress(OSError):  # not cached: offline, the hub would retry for 30 s
@@ -1286,7 +1270,7 @@ def load_openai_weights(name: str) -> dict:
 
 
 def training_settings(cfg: TrainConfig) -> dict:
-    """GPTConfig's fields that each run sets for itself: they leave the weights' meaning alone."""
+    """GPTConfig's fields each run sets for itself: they leave the weights' meaning alone."""
     return dict(dropout=cfg.dropout, loss_chunk_size=cfg.loss_chunk_size, recompute=cfg.recompute)
 
 
@@ -1356,7 +1340,7 @@ def load_checkpoint(path: str, flag: str = "--resume") -> dict:
     if checksum.exists() and checksum.read_text().strip() != file_sha256(path):
         raise ConfigError(f"checkpoint {path} is corrupt (its sha256 differs from {checksum}): "
                           "resume from an older checkpoint")
-    try:  # to the CPU (the GPU may lack room beside the model), memory-mapped
+    try:  # memory-mapped, to the CPU (the GPU may lack room beside the model)
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # a truncated or foreign file fails in many ways
         fix = "resume from an older checkpoint" if flag == "--resume" else "give another checkpoint"
@@ -1385,8 +1369,8 @@ def find_resume_checkpoint(cfg: TrainConfig, say) -> dict | None:
 
 
 def check_resumable(checkpoint: dict, cfg: TrainConfig, model_config: GPTConfig):
-    """Refuse a checkpoint whose weights, data position or optimizer this run would read wrongly:
-    any GPTConfig field but this run's own (training_settings), whatever fields it has."""
+    """Refuse a checkpoint this run would misread: a GPTConfig field that differs (any, but the
+    training_settings), the data position's units, the optimizer."""
     saved, wanted = checkpoint["model_config"], dataclasses.asdict(model_config)
     differing = [f"{name} {saved.get(name)} -> {wanted.get(name)}" for name in {**saved, **wanted}
                  if name not in training_settings(cfg) and saved.get(name) != wanted.get(name)]
@@ -1426,7 +1410,7 @@ def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, devic
     if checkpoint["scaler"]:
         scaler.load_state_dict(checkpoint["scaler"])
     loader.windows_consumed = checkpoint["windows_consumed"]
-    if loader.rank < len(checkpoint["rng"]):  # a rank new at a larger world size keeps its seed
+    if loader.rank < len(checkpoint["rng"]):  # a rank new to a larger world keeps its seed
         restore_rng_states(checkpoint["rng"][loader.rank], device)
     saved, step, tokens = checkpoint["config"], checkpoint["step"], loader.stream.num_tokens
     if checkpoint["train_tokens"] != tokens:
@@ -1446,7 +1430,7 @@ def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, devic
 
 
 def write_checkpoint(cfg, launch, device, model, optimizers, scaler, loader, steps_done):
-    """Rank 0 writes <log_dir>/ckpt_<steps_done>.pt; all ranks stop if it could not."""
+    """Rank 0 writes <log_dir>/ckpt_<steps_done>.pt; all stop if it could not."""
     if cfg.shard_optimizer and launch.world_size > 1:
         for optimizer in optimizers:
             optimizer.consolidate_state_dict(to=0)  # every rank sends its share of the state
@@ -1467,8 +1451,8 @@ def write_checkpoint(cfg, launch, device, model, optimizers, scaler, loader, ste
 
 
 def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir):
-    """Stop a run whose loss or gradient norm is not finite: nothing is saved from its weights.
-    With float16's loss scaling an infinite norm is routine (the step is skipped)."""
+    """Stop a run whose loss or gradient norm is not finite, saving nothing. With float16's loss
+    scaling an infinite norm is routine (the step is skipped)."""
     if math.isfinite(train_loss) and (loss_scaling or math.isfinite(grad_norm)):
         return
     saved = checkpoint_paths(log_dir)
@@ -1536,7 +1520,7 @@ def make_log_dir(log_dir: str):
 
 
 def record_step(line: str, default: int) -> int:
-    """A metrics.jsonl record's step; default for the summary and a line a kill cut short."""
+    """A metrics.jsonl record's step; default for the summary or a line cut short."""
     try:
         return json.loads(line).get("step", default)
     except json.JSONDecodeError:
@@ -1544,8 +1528,8 @@ def record_step(line: str, default: int) -> int:
 
 
 class MetricsLog:
-    """Rank 0 prints lines, appends records to <log_dir>/metrics.jsonl (and an events file with
-    tensorboard). A failed write is the problem all ranks stop on at the step's end."""
+    """Rank 0 prints lines, appends records to <log_dir>/metrics.jsonl (and TensorBoard's file).
+    A failed write is the problem all ranks stop on at the step's end."""
 
     def __init__(self, log_dir: str, active: bool, tensorboard: bool = False):
         self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
@@ -1564,12 +1548,12 @@ class MetricsLog:
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
             name = f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}"
             self.board_path = os.path.join(os.path.dirname(self.path), name)
-            # TensorBoard then drops older events from this step on (written after the checkpoint)
+            # TensorBoard then drops older events from this step on
             restart = Event(step=resume_step or 0, session_log=SessionLog(status=SessionLog.START))
             self.write_events([Event(file_version="brain.Event:2"), restart])
 
     def write_events(self, events: list):
-        """TensorBoard's format: SummaryWriter's thread prints a traceback on a full disk."""
+        """TensorBoard's format (SummaryWriter's thread prints a traceback on a full disk)."""
         from tensorboard.summary.writer.record_writer import RecordWriter
         with failed_write_is_one_line(self.board_path, RESUME_AUTO), \
                 open(self.board_path, "ab") as f:
@@ -1592,7 +1576,7 @@ class MetricsLog:
         try:
             with failed_write_is_one_line(self.path, RESUME_AUTO), open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-            if self.tensorboard and "step" in record:  # an event a figure, as SummaryWriter's
+            if self.tensorboard and "step" in record:  # an event a figure
                 from tensorboard.compat.proto.event_pb2 import Event
                 from torch.utils.tensorboard.summary import scalar
                 self.write_events([Event(wall_time=time.time(), step=record["step"],
@@ -1614,27 +1598,40 @@ class MetricsLog:
             line += f" | MFU {100 * record['mfu']:.1f}%"
         self.write(record, line)
 
-    def val_loss(self, step, max_steps, val_loss):
-        self.write({"step": step, "val_loss": val_loss},
-                   f"step {step:5d}/{max_steps} | val loss {val_loss:.6f}")
-
-    def hellaswag(self, step, max_steps, scores):
-        self.write({"step": step, **scores}, f"step {step:5d}/{max_steps} | HellaSwag acc_norm "
-                   f"{scores['hellaswag_acc_norm']:.4f} (acc {scores['hellaswag_acc']:.4f})")
+    def evaluation(self, step, max_steps, scores: dict):
+        """The val loss or HellaSwag's scores after step (-1: before training)."""
+        self.write({"step": step, **scores}, f"step {step:5d}/{max_steps} | " + (
+            f"val loss {scores['val_loss']:.6f}" if "val_loss" in scores else "HellaSwag acc_norm "
+            f"{scores['hellaswag_acc_norm']:.4f} (acc {scores['hellaswag_acc']:.4f})"))
 
     def epoch_begins(self, step, max_steps, loader):
         self.write({"step": step, "epoch": loader.epoch}, f"step {step:5d}/{max_steps} | epoch "
                    f"{loader.epoch} begins: all {loader.num_windows:,} training windows were used, "
                    f"starting again{' in a new order' if loader.shuffle else ''}")
 
-    def stopped(self, step, reason, log_dir):
-        self.say(f"stopped by {reason} after step {step}, checkpoint {log_dir}/ckpt_{step + 1}.pt "
-                 f"written: to continue, {RESUME_AUTO}")
-
     def summary(self, step_ms, cfg, device, flops_per_step, world_size):
-        summary = step_summary(step_ms, cfg.total_batch_size, flops_per_step, cfg, device,
-                               world_size)
-        self.write({"summary": summary}, summary_line(summary, cfg.peak_tflops))
+        """Median speed after the untimed first steps; peak memory."""
+        timed = step_ms[UNTIMED_STEPS:] or step_ms
+        median_ms = statistics.median(timed)
+        summary = {"timed_steps": len(timed), "median_ms": median_ms,
+                   "median_tokens_per_s": cfg.total_batch_size * 1000 / median_ms}
+        if device.startswith("cuda"):  # allocated, and reserved by the caching allocator
+            summary["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        else:  # resident
+            import resource  # Unix; ru_maxrss: KiB on Linux, bytes on macOS
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            summary["peak_memory_gib"] = peak / (2**30 if sys.platform == "darwin" else 2**20)
+        line = (f"summary: median {median_ms:.1f} ms/step, {summary['median_tokens_per_s']:,.0f} "
+                f"tokens/s over the last {len(timed)} steps; peak memory "
+                f"{summary['peak_memory_gib']:.2f} GiB")
+        if "peak_reserved_gib" in summary:
+            line += f" ({summary['peak_reserved_gib']:.2f} GiB reserved)"
+        if cfg.peak_tflops:
+            summary["mfu"] = model_flops_utilization(flops_per_step, median_ms, cfg.peak_tflops,
+                                                     world_size)
+            line += f"; MFU {100 * summary['mfu']:.1f}% of {cfg.peak_tflops:g} TFLOP/s"
+        self.write({"summary": summary}, line)
 
 
 def count_parameters(model: nn.Module) -> int:
@@ -1648,37 +1645,6 @@ def flops_per_token(model_config: GPTConfig, num_params: int, seq_len: int) -> i
 
 def model_flops_utilization(flops_per_step, step_ms, peak_tflops, world_size) -> float:
     return flops_per_step * 1000 / step_ms / (world_size * peak_tflops * 1e12)
-
-
-def step_summary(step_ms, tokens_per_step, flops_per_step, cfg, device, world_size) -> dict:
-    """Median speed after the untimed first steps; peak memory (allocated, reserved) on CUDA,
-    else resident."""
-    timed = step_ms[UNTIMED_STEPS:] or step_ms
-    median_ms = statistics.median(timed)
-    summary = {"timed_steps": len(timed), "median_ms": median_ms,
-               "median_tokens_per_s": tokens_per_step * 1000 / median_ms}
-    if device.startswith("cuda"):
-        summary["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
-    else:
-        import resource  # Unix; ru_maxrss: KiB on Linux, bytes on macOS
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        summary["peak_memory_gib"] = peak / (2**30 if sys.platform == "darwin" else 2**20)
-    if cfg.peak_tflops:
-        summary["mfu"] = model_flops_utilization(flops_per_step, median_ms, cfg.peak_tflops,
-                                                 world_size)
-    return summary
-
-
-def summary_line(summary: dict, peak_tflops: float) -> str:
-    line = (f"summary: median {summary['median_ms']:.1f} ms/step, "
-            f"{summary['median_tokens_per_s']:,.0f} tokens/s over the last "
-            f"{summary['timed_steps']} steps; peak memory {summary['peak_memory_gib']:.2f} GiB")
-    if "peak_reserved_gib" in summary:
-        line += f" ({summary['peak_reserved_gib']:.2f} GiB reserved)"
-    if "mfu" in summary:
-        line += f"; MFU {100 * summary['mfu']:.1f}% of {peak_tflops:g} TFLOP/s"
-    return line
 
 
 # ------------------------------ other run modes
@@ -1739,17 +1705,19 @@ def export_hf(cfg: TrainConfig) -> str:
     from transformers.integrations.tiktoken import convert_tiktoken_to_fast
     model_config, state = initial_weights(cfg)
     vocab_size = min(model_config.vocab_size, GPT2_VOCAB_SIZE)  # no tokenizer decodes padding
-    # transformers' other defaults are ours (tanh GELU, eps 1e-5, tied embeddings)
+    # its other defaults are ours: tanh GELU, eps 1e-5, tied embeddings
     hf_model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=vocab_size, n_positions=model_config.block_size, n_embd=model_config.n_embd,
         n_layer=model_config.n_layer, n_head=model_config.n_head, resid_pdrop=model_config.dropout,
         embd_pdrop=model_config.dropout, attn_pdrop=model_config.dropout))
-    problem = first_unplaced_tensor(state_to_openai(state, vocab_size), state_to_openai(
-        state_from_openai(hf_model.state_dict()), vocab_size))
-    if problem:
-        raise ConfigError(f"cannot export {cfg.init_from} as GPT-2: {problem} (transformers' "
-                          "layout, where a changed model's tensors must map one to one)")
-    hf_model.load_state_dict(state_to_openai(state, vocab_size))
+    ours, gpt2 = (state_to_openai(tensors, vocab_size) for tensors in
+                  (state, state_from_openai(hf_model.state_dict())))
+    for name in {**ours, **gpt2}:  # a hacked model's tensors must map one to one onto GPT-2's
+        shapes = [tuple(s[name].shape) if name in s else "absent" for s in (ours, gpt2)]
+        if shapes[0] != shapes[1]:  # in transformers' layout
+            raise ConfigError(f"cannot export {cfg.init_from} as GPT-2: its {name} is "
+                              f"{shapes[0]}, GPT-2's is {shapes[1]}")
+    hf_model.load_state_dict(ours)
     temporary = f"{os.path.normpath(cfg.export_hf)}.{os.uname().nodename}-{os.getpid()}.tmp"
     try:
         with failed_write_is_one_line(cfg.export_hf, "run the same command again"):
@@ -1766,19 +1734,6 @@ def export_hf(cfg: TrainConfig) -> str:
     return cfg.export_hf
 
 
-def first_unplaced_tensor(ours: dict, gpt2: dict) -> str | None:
-    """The first of our tensors that GPT-2's state (gpt2) has no place of its shape for, or the
-    first of GPT-2's we lack; None if they map one to one."""
-    for name, tensor in ours.items():
-        if name not in gpt2:
-            return f"its tensor {name} has no place in GPT-2"
-        if tensor.shape != gpt2[name].shape:
-            return (f"its {name} is {tuple(tensor.shape)} where GPT-2's is "
-                    f"{tuple(gpt2[name].shape)}")
-    missing = [name for name in gpt2 if name not in ours]
-    return f"it has no {missing[0]}, which GPT-2 needs" if missing else None
-
-
 def save_pretrained(hf_model, folder: str):
     from safetensors import SafetensorError
     try:
@@ -1791,7 +1746,7 @@ def save_pretrained(hf_model, folder: str):
 
 def check_export(exported, model_config: GPTConfig, state: dict):
     """The exported model, as loaded, gives our logits to float32 rounding; a hacked one (other
-    activation, norm or block) would not: transformers would run it wrong."""
+    activation, norm or block) would not."""
     ours = GPT(model_config)
     ours.load_state_dict(state)
     vocab_size = exported.config.vocab_size
@@ -1826,7 +1781,7 @@ def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str
         return f"out of memory on {device} while generating: lower --num_samples"
     B, T = cfg.micro_batch_size, cfg.seq_len
     where = f"out of memory on {device} at micro batch {B} x {T}"
-    # the largest smaller micro batch that divides a step trains the same
+    # a smaller micro batch that divides a step trains the same
     smaller = [b for b in range(B - 1, 0, -1) if cfg.total_batch_size % (b * T * world_size) == 0]
     savers = [flag for flag, on in (("--loss_chunk_size 8192", cfg.loss_chunk_size),
                                     ("--recompute", cfg.recompute)) if not on]
@@ -1853,7 +1808,7 @@ def main(cfg: TrainConfig | None, launch: Launch | None = None,
     device = settled.device if problem is None else "cpu"
     init_distributed(launch, device)
     try:
-        check_same_command(cfg, problem, launch)  # the flags as given: machines may differ
+        check_same_command(cfg, problem, launch)  # as given: the machines may differ
         cfg = settled
         if cfg.export_hf:
             result = export_hf(cfg)
@@ -1878,8 +1833,8 @@ def main(cfg: TrainConfig | None, launch: Launch | None = None,
         print(f"error: {out_of_memory_message(cfg, device, launch.world_size)}", file=sys.stderr,
               flush=True)
         sys.exit(2)
-    if launch.torchrun:  # all ranks get here together; after a crash a peer may be gone
-        # leave together: gloo torn down while a peer still ran aborted at exit (PyTorch #179291)
+    if launch.torchrun:  # leave together: gloo torn down under a running peer aborted at exit
+        # (PyTorch #179291); after a crash a peer may be gone
         dist.barrier()
         dist.destroy_process_group()
     return result

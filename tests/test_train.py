@@ -153,20 +153,21 @@ def test_compiled_model_trains_like_the_eager_one(tmp_path, flags):
     assert max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-4
 
 
-def test_cuda_summary_has_mfu_and_both_memory_peaks(monkeypatch):
+def test_cuda_summary_has_mfu_and_both_memory_peaks(monkeypatch, tmp_path, capsys):
     """The CUDA branch of the summary, with the CUDA memory counters stubbed: 124M's figures at 1,100 ms a step."""
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 25 * 2**30)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 27.5 * 2**30)
     cfg = t.parse_args(["--peak_tflops", "989"])  # an H100's
     flops_per_step = 860e6 * 524_288
-    summary = t.step_summary([5000.0, 3000.0, 2000.0, 1100.0, 1000.0, 1200.0], 524_288, flops_per_step, cfg, "cuda",
-                             world_size=1)
-    assert summary == {"timed_steps": 3, "median_ms": 1100.0, "median_tokens_per_s": 524_288 / 1.1,
-                       "peak_memory_gib": 25.0, "peak_reserved_gib": 27.5,
-                       "mfu": pytest.approx(860e6 * 524_288 / 1.1 / 989e12)}
-    assert t.summary_line(summary, cfg.peak_tflops) == (
+    log = t.MetricsLog(str(tmp_path), active=True)
+    log.begin(None)
+    log.summary([5000.0, 3000.0, 2000.0, 1100.0, 1000.0, 1200.0], cfg, "cuda", flops_per_step, world_size=1)
+    assert log.records == [{"summary": {"timed_steps": 3, "median_ms": 1100.0, "median_tokens_per_s": 524_288 / 1.1,
+                                        "peak_memory_gib": 25.0, "peak_reserved_gib": 27.5,
+                                        "mfu": pytest.approx(860e6 * 524_288 / 1.1 / 989e12)}}]
+    assert capsys.readouterr().out == (
         "summary: median 1100.0 ms/step, 476,625 tokens/s over the last 3 steps; peak memory 25.00 GiB "
-        "(27.50 GiB reserved); MFU 41.4% of 989 TFLOP/s")
+        "(27.50 GiB reserved); MFU 41.4% of 989 TFLOP/s\n")
 
 
 def test_mfu_counts_the_peak_of_every_device_of_the_step():
