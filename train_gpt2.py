@@ -214,7 +214,7 @@ class CausalSelfAttention(nn.Module):
         mask = None
         if cache is not None:  # generating: k, v go into the cache; attend over all of it
             kv_cache, layer, positions, mask = cache  # KVCache.at's
-            k, v = kv_cache.update(layer, positions, k, v)
+            k, v = kv_cache.update(layer, positions, k, v)  # (B, heads, block_size, head_dim)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
@@ -330,7 +330,7 @@ class KVCache:
         self.block_size, self.keys, self.values = block_size, [None] * n_layer, [None] * n_layer
 
     def at(self, positions) -> list[tuple]:
-        """(cache, layer, positions, visible) a layer; visible (T, block_size): what each sees."""
+        """(cache, layer, positions, visible) a layer; visible (T, block_size): what T sees."""
         visible = positions[:, None] >= torch.arange(self.block_size, device=positions.device)
         return [(self, layer, positions, visible) for layer in range(len(self.keys))]
 
@@ -394,15 +394,15 @@ class DataLoader:
 
 
 def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
-    """On CUDA via pinned memory: a copy from pageable memory waits for all queued GPU work."""
+    """On CUDA via pinned memory: a copy from pageable memory waits for queued GPU work."""
     pinned = device.startswith("cuda")
     return (batch.pin_memory() if pinned else batch).to(device, non_blocking=pinned)
 
 
 # ------------------------------ distributed setup
 
-# For a peer that never arrives; outlasts rank 0 writing a checkpoint alone (minutes at gpt2-xl).
-# A crashed peer is noticed within a second, and torchrun ends the rest.
+# For a peer that never arrives (torchrun ends the rest within a second of a crash); outlasts
+# rank 0 writing a checkpoint alone (minutes at gpt2-xl).
 DIST_TIMEOUT = datetime.timedelta(minutes=20)
 
 
@@ -555,7 +555,9 @@ def train(cfg: TrainConfig, launch: Launch, device, stop_signal: dict, notes) ->
         check_step_finite(step, loss, grad_norm, scaler.is_enabled(), cfg.log_dir)
         if train_loader.epoch > epoch:
             epoch = train_loader.epoch
-            log.epoch_begins(step, cfg.max_steps, train_loader)
+            log.write({"step": step, "epoch": epoch}, f"step {step:5d}/{cfg.max_steps} | epoch "
+                      f"{epoch} begins: all {train_loader.num_windows:,} training windows were "
+                      f"used, starting again{' in a new order' if train_loader.shuffle else ''}")
         steps_done, last_step = step + 1, step + 1 == cfg.max_steps
         if due(cfg.eval_every, steps_done, last_step):
             log.evaluation(step, cfg.max_steps, {"val_loss": estimate_val_loss(
@@ -614,7 +616,7 @@ def next_token(model: GPT, idx, cache: KVCache | None, positions, noise, tempera
 
 
 GENERATE_WARMUP_TOKENS = 3  # not in --generate's tokens/s: prompt, compile, CUDA graph record
-# a compiled step's cache, kept with its model: a new one is a new CUDA graph to record
+# a compiled step's cache, kept with its model: a new one is a new CUDA graph
 COMPILED_STEP_CACHES = weakref.WeakKeyDictionary()
 
 
@@ -735,7 +737,7 @@ def parse_args(argv: list[str]) -> TrainConfig:
     return cfg
 
 
-def section_fields(section: str) -> list[str]:
+def section_fields(section):
     """The TrainConfig fields under one of --help's headings."""
     names, current = [], None
     for f in dataclasses.fields(TrainConfig):
@@ -755,8 +757,8 @@ PEAK_TFLOPS = [
 COMPILE_GAIN = "on an H100 compile trains 1.54x faster: 489k against 317k tokens/s"
 
 
-def check_kernels(card: str, major: int, minor: int, arch_list: list[str]):
-    """Refuse a torch with no code this card runs: sm_XY of its major at or below its minor, or
+def check_kernels(card, major, minor, arch_list: list[str]):
+    """Refuse a torch with no code the card runs: sm_XY of its major at or below its minor, or
     compute_XY (PTX) at or below its capability."""
     for kind, built_major, built_minor in re.findall(r"(sm|compute)_(\d+)(\d)", str(arch_list)):
         built = (int(built_major), int(built_minor))  # sm_86: (8, 6); sm_100a: (10, 0)
@@ -768,7 +770,7 @@ def check_kernels(card: str, major: int, minor: int, arch_list: list[str]):
                           "torch --index-url https://download.pytorch.org/whl/cu126")
 
 
-def compile_blocker(major: int, minor: int, environ) -> str | None:
+def compile_blocker(major, minor, environ):
     """Why torch.compile cannot run on this GPU, or None. Triton (Inductor's kernels) builds with
     $CC as given (else gcc, else clang) and Python's headers."""
     from torch.utils._triton import has_triton_package
@@ -778,7 +780,7 @@ def compile_blocker(major: int, minor: int, environ) -> str | None:
         return "Triton is not installed (pip install triton)"
     compiler = environ["CC"] if "CC" in environ else shutil.which("gcc") or shutil.which("clang")
     if not (compiler and shutil.which(compiler)):
-        named = f"$CC={environ['CC']!r}" if "CC" in environ else "gcc or clang"
+        named = f"$CC={compiler!r}" if "CC" in environ else "gcc or clang"
         return f"Triton builds with a C compiler and cannot run {named}: install gcc"
     scheme = sysconfig.get_default_scheme()  # as Triton picks it
     headers = sysconfig.get_paths("posix_prefix" if scheme == "posix_local" else scheme)["include"]
@@ -788,7 +790,7 @@ def compile_blocker(major: int, minor: int, environ) -> str | None:
     return None
 
 
-def pick_device(requested: str, launch: Launch, gpu_count: int, mps_available: bool) -> str:
+def pick_device(requested, launch: Launch, gpu_count, mps_available):
     if requested == "auto":
         requested = "cuda" if gpu_count else "mps" if mps_available else "cpu"
     if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", requested):
@@ -812,7 +814,7 @@ def pick_device(requested: str, launch: Launch, gpu_count: int, mps_available: b
     return "cuda:0" if requested == "cuda" else requested  # torch.cuda.set_device needs an index
 
 
-def check_config(cfg: TrainConfig, world_size: int):
+def check_config(cfg: TrainConfig, world_size):
     shape_flags = [n for n in ("n_layer", "n_head", "n_embd") if getattr(cfg, n) is not None]
     for name in ["block_size", "vocab_size", "total_batch_size", "micro_batch_size", "seq_len",
                  "max_steps", "eval_steps", "num_samples", "top_k"] + shape_flags:
@@ -895,7 +897,7 @@ def check_same_command(cfg: TrainConfig | None, problem: ConfigError | None, lau
                  for name, value in (parsed[0][1].items() if parsed else ())
                  for rank, flags in parsed[1:] if flags[name] != value]
     if differing:
-        raise ConfigError(f"the processes were started with different flags "
+        raise ConfigError("the processes were started with different flags "
                           f"({', '.join(differing)}): start every machine with the same command")
     raise_first_problem([problem for problem, _ in posts])
 
@@ -912,7 +914,7 @@ def gpt2_tokenizer():
                           "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
 
 
-def read_text_tokens(path: str) -> np.ndarray:
+def read_text_tokens(path):
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -927,7 +929,7 @@ def read_text_tokens(path: str) -> np.ndarray:
     return np.array(gpt2_tokenizer().encode_ordinary(text), dtype=np.uint16)
 
 
-def find_shards(data_dir: str, split: str) -> list[str]:
+def find_shards(data_dir, split):
     if not os.path.isdir(data_dir):
         raise ConfigError(f"--data_dir {data_dir} is not a folder: run fineweb.py to make shards, "
                           "or fix the path")
@@ -941,7 +943,7 @@ def find_shards(data_dir: str, split: str) -> list[str]:
     return paths
 
 
-def open_shard(path: str) -> np.ndarray:
+def open_shard(path):
     """Memory-mapped: a batch reads the pages it touches, not the whole shard."""
     try:
         tokens = np.load(path, mmap_mode="r")
@@ -958,14 +960,14 @@ def open_shard(path: str) -> np.ndarray:
 
 
 class TokenStream:
-    """Token arrays (memory-mapped shards, or one array) read as one sequence."""
+    """Token arrays (memory-mapped shards, or one) read as one sequence."""
 
     def __init__(self, arrays: list[np.ndarray], names: list[str] | None = None):
         self.arrays, self.names = arrays, names or ["the text"] * len(arrays)
         self.starts = np.cumsum([0] + [len(a) for a in arrays])  # first global index of each
         self.num_tokens = int(self.starts[-1])
 
-    def read(self, start: int, count: int) -> np.ndarray:
+    def read(self, start, count):
         pieces, end = [], start + count
         index = int(np.searchsorted(self.starts, start, side="right")) - 1
         while start < end:
@@ -975,7 +977,7 @@ class TokenStream:
             index += 1
         return np.concatenate(pieces).astype(np.int64)
 
-    def name_at(self, position: int) -> str:
+    def name_at(self, position):
         return self.names[int(np.searchsorted(self.starts, position, side="right")) - 1]
 
 
@@ -995,8 +997,8 @@ HELLASWAG_CACHE = os.path.expanduser("~/.cache/train_gpt2/hellaswag_val.jsonl")
 HELLASWAG_BATCH_TOKENS = 8192
 
 
-def read_hellaswag(path: str) -> list[dict]:
-    """The jsonl records: a context "ctx", 4 "endings", the right one's index "label"."""
+def read_hellaswag(path):
+    """The records: a context "ctx", 4 "endings", the right one's index "label"."""
     examples = []
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
@@ -1029,7 +1031,7 @@ def render_hellaswag(example: dict, tokenizer) -> tuple[torch.Tensor, torch.Tens
     return tokens, mask, int(example["label"])
 
 
-def pack_hellaswag(rendered: list[tuple], max_tokens: int) -> list[tuple]:
+def pack_hellaswag(rendered: list[tuple], max_tokens):
     """Batches of (tokens (4n, L), mask (4n, L), labels (n,)), padded to their longest, of at
     most max_tokens unless one example is longer; shortest first."""
     groups = []
@@ -1053,9 +1055,9 @@ RESUME_AUTO = "run the same command with --resume auto"
 
 
 @contextlib.contextmanager
-def failed_write_is_one_line(path: str, then: str):
-    """A failed write (full disk, quota, lost mount) as one ConfigError naming the folder.
-    torch.save to a file object raises a RuntimeError caused by the OSError."""
+def failed_write_is_one_line(path, then):
+    """A failed write (full disk, quota, lost mount) as one ConfigError naming the folder
+    (torch.save raises a RuntimeError caused by the OSError)."""
     try:
         yield
     except (OSError, RuntimeError) as error:
@@ -1068,7 +1070,7 @@ def failed_write_is_one_line(path: str, then: str):
                           f"{os.path.dirname(path) or '.'}, then {then}") from None
 
 
-def write_atomically(path: str, write, then: str = RESUME_AUTO):
+def write_atomically(path, write, then=RESUME_AUTO):
     """write(file) to this process's temporary file, fsync, rename: readers see the old file or
     the whole new one."""
     temporary = f"{path}.{os.uname().nodename}-{os.getpid()}.tmp"
@@ -1083,7 +1085,7 @@ def write_atomically(path: str, write, then: str = RESUME_AUTO):
     os.replace(temporary, path)
 
 
-def download(url: str, path: str, fix: str):
+def download(url, path, fix):
     try:
         with urllib.request.urlopen(url, timeout=30) as response:
             data = response.read()
@@ -1093,7 +1095,7 @@ def download(url: str, path: str, fix: str):
         raise DownloadError(f"could not download {url} to {path} ({error}): {fix}") from None
 
 
-def open_data(cfg: TrainConfig, launch: Launch, with_val: bool) -> tuple[DataLoader, DataLoader]:
+def open_data(cfg: TrainConfig, launch: Launch, with_val) -> tuple[DataLoader, DataLoader]:
     if not cfg.data_dir and not cfg.text_file and not os.path.exists(TEXT_FILE):
         download(TINY_SHAKESPEARE_URL, TEXT_FILE, "put a text file there, or pass --text_file or "
                                                   "--data_dir")
@@ -1118,7 +1120,7 @@ def open_data(cfg: TrainConfig, launch: Launch, with_val: bool) -> tuple[DataLoa
     return train_loader, val_loader
 
 
-def open_hellaswag(cfg: TrainConfig, launch: Launch, block_size: int) -> list[tuple]:
+def open_hellaswag(cfg: TrainConfig, launch: Launch, block_size):
     """This rank's HellaSwag examples (r, r + W, ...), tokenized, in batches."""
     path = cfg.hellaswag_path or HELLASWAG_CACHE
     if not os.path.exists(path):
@@ -1135,7 +1137,7 @@ def open_hellaswag(cfg: TrainConfig, launch: Launch, block_size: int) -> list[tu
     return pack_hellaswag(rendered, min(HELLASWAG_BATCH_TOKENS, cfg.micro_batch_size * cfg.seq_len))
 
 
-def build_model(cfg: TrainConfig, device: str) -> GPT:
+def build_model(cfg: TrainConfig, device) -> GPT:
     model_config, state = initial_weights(cfg)
     if not cfg.generate and cfg.seq_len > model_config.block_size:
         raise ConfigError(f"--seq_len {cfg.seq_len} is longer than the model's "
@@ -1147,7 +1149,7 @@ def build_model(cfg: TrainConfig, device: str) -> GPT:
     return model.to(device)
 
 
-def autocast_for(cfg: TrainConfig, device: str):
+def autocast_for(cfg: TrainConfig, device):
     """autocast() enters autocast for --dtype (off for float32)."""
     dtype = getattr(torch, cfg.dtype)
     return functools.partial(torch.autocast, device.split(":")[0], dtype=dtype,
@@ -1157,23 +1159,23 @@ def autocast_for(cfg: TrainConfig, device: str):
 @dataclass
 class OpenedRun:
     """What every rank opened, and found the same, before training."""
-    model: GPT  # on the device, with --init_from's weights (a checkpoint's come later)
+    model: GPT  # on the device; a checkpoint's weights are loaded later
     train_loader: DataLoader
-    val_loader: DataLoader | None  # None without --eval_every
+    val_loader: DataLoader | None
     checkpoint: dict | None  # to resume from
-    hellaswag: list  # this rank's batches, if --hellaswag_every
-    tokenizer: object  # if --sample_every
+    hellaswag: list  # this rank's batches
+    tokenizer: object
 
 
-def open_run(cfg: TrainConfig, launch: Launch, device: str, log) -> OpenedRun:
+def open_run(cfg: TrainConfig, launch: Launch, device, log) -> OpenedRun:
     """Every rank opens the data, builds the model, finds the checkpoint: a problem on any stops
-    all, and all must find the same (machines may hold other copies)."""
+    all; all must find the same (machines may hold other copies)."""
     problem, found = None, None
     try:
         if launch.rank == 0:
             make_log_dir(cfg.log_dir)
         earlier = checkpoint_paths(cfg.log_dir)
-        if earlier and not cfg.resume:  # --resume auto would take them for this run's
+        if earlier and not cfg.resume:  # --resume auto would take them for its own
             raise ConfigError(f"--log_dir {cfg.log_dir} holds an earlier run's checkpoints "
                               f"({os.path.basename(earlier[0])}): continue it with --resume auto, "
                               "or pass another --log_dir")
@@ -1202,9 +1204,8 @@ def open_run(cfg: TrainConfig, launch: Launch, device: str, log) -> OpenedRun:
     return run
 
 
-def start_line(cfg: TrainConfig, device, world_size, parameters, accum_steps, loader) -> str:
-    W, gpu = world_size, device.startswith("cuda")
-    card = f", {torch.cuda.get_device_name(device)}" if gpu else ""
+def start_line(cfg: TrainConfig, device, W, parameters, accum_steps, loader):
+    card = f", {torch.cuda.get_device_name(device)}" if device.startswith("cuda") else ""
     mfu = (f", MFU against {cfg.peak_tflops:g} TFLOP/s" if cfg.peak_tflops else
            ", no MFU: its peak TFLOP/s is unknown, give --peak_tflops" if card else "")
     sharded = "optimizer state sharded over the processes; " if cfg.shard_optimizer and W > 1 \
@@ -1222,14 +1223,14 @@ OPENAI_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weigh
                      "mlp.c_proj.weight")
 
 
-def state_from_openai(hf_state: dict) -> dict:
+def state_from_openai(hf_state: dict):
     """transformers' GPT2LMHeadModel state in our layout."""
     return {name: tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor
             for name, tensor in hf_state.items()
             if not name.endswith((".attn.bias", ".attn.masked_bias"))}  # older versions' masks
 
 
-def state_to_openai(state: dict, vocab_size: int) -> dict:
+def state_to_openai(state, vocab_size):
     """Our state in GPT2LMHeadModel's layout, without the padding rows."""
     embeddings = ("transformer.wte.weight", "lm_head.weight")
     return {name: (tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor[:vocab_size]
@@ -1237,7 +1238,7 @@ def state_to_openai(state: dict, vocab_size: int) -> dict:
             for name, tensor in state.items()}
 
 
-def import_transformers(flag: str):
+def import_transformers(flag):
     """transformers, without its warnings and progress bars."""
     import logging
     logging.disable(logging.WARNING)
@@ -1253,7 +1254,7 @@ def import_transformers(flag: str):
         logging.disable(logging.NOTSET)
 
 
-def load_openai_weights(name: str) -> dict:
+def load_openai_weights(name):
     """OpenAI's weights through transformers: its cache, else the Hugging Face hub."""
     GPT2LMHeadModel = import_transformers(f"--init_from {name}").GPT2LMHeadModel
     from huggingface_hub.constants import ENDPOINT
@@ -1269,7 +1270,7 @@ def load_openai_weights(name: str) -> dict:
                           "connect to the network, or give a checkpoint") from None
 
 
-def training_settings(cfg: TrainConfig) -> dict:
+def training_settings(cfg: TrainConfig):
     """GPTConfig's fields each run sets for itself: they leave the weights' meaning alone."""
     return dict(dropout=cfg.dropout, loss_chunk_size=cfg.loss_chunk_size, recompute=cfg.recompute)
 
@@ -1292,14 +1293,14 @@ CHECKPOINT_KEYS = {"model", "model_config", "optimizer", "scaler", "step", "conf
                    "windows_consumed", "rng"}
 
 
-def checkpoint_paths(log_dir: str) -> list[str]:
+def checkpoint_paths(log_dir):
     """log_dir's ckpt_<step>.pt files, newest first."""
     found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(log_dir, "ckpt_*.pt"))
              if (m := re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p)))]
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def file_sha256(path: str) -> str:
+def file_sha256(path):
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(2**24):
@@ -1307,7 +1308,7 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def save_checkpoint(path: str, state: dict, keep: int):
+def save_checkpoint(path, state, keep):
     """The checkpoint and its sha256 (torch.load misses a flipped byte); `keep` newest kept."""
     # to a file object: to a path, torch.save hides a full disk's OSError
     write_atomically(path, lambda f: torch.save(state, f))
@@ -1322,13 +1323,13 @@ def save_checkpoint(path: str, state: dict, keep: int):
     remove_killed_writes(os.path.dirname(path))
 
 
-def remove_killed_writes(log_dir: str):
+def remove_killed_writes(log_dir):
     """A write killed part way (kill -9) leaves its temporary file: 1.5 GB at 124M."""
     for temporary in glob.glob(os.path.join(log_dir, "ckpt_*.pt*.tmp")):
         os.remove(temporary)
 
 
-def load_checkpoint(path: str, flag: str = "--resume") -> dict:
+def load_checkpoint(path, flag="--resume"):
     if not os.path.isfile(path):
         raise ConfigError(f"no such checkpoint file: {path}")
     not_ours = f"{flag} {path} is not a checkpoint"
@@ -1369,7 +1370,7 @@ def find_resume_checkpoint(cfg: TrainConfig, say) -> dict | None:
 
 
 def check_resumable(checkpoint: dict, cfg: TrainConfig, model_config: GPTConfig):
-    """Refuse a checkpoint this run would misread: a GPTConfig field that differs (any, but the
+    """Refuse a checkpoint this run would misread: a GPTConfig field that differs (any but the
     training_settings), the data position's units, the optimizer."""
     saved, wanted = checkpoint["model_config"], dataclasses.asdict(model_config)
     differing = [f"{name} {saved.get(name)} -> {wanted.get(name)}" for name in {**saved, **wanted}
@@ -1387,20 +1388,20 @@ def check_resumable(checkpoint: dict, cfg: TrainConfig, model_config: GPTConfig)
                           f"--init_from {checkpoint['path']}")
 
 
-def rng_states(device: str) -> dict:
+def rng_states(device):
     """torch's generators (dropout's). On CUDA this GPU's only: a machine with fewer GPUs could
     not restore the others'."""
     return {"torch_cpu": torch.get_rng_state(),
             "torch_cuda": [torch.cuda.get_rng_state(device)] if device.startswith("cuda") else []}
 
 
-def restore_rng_states(states: dict, device: str):
+def restore_rng_states(states, device):
     torch.set_rng_state(states["torch_cpu"])
     if states["torch_cuda"] and device.startswith("cuda"):
         torch.cuda.set_rng_state(states["torch_cuda"][0], device)
 
 
-def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, device, log) -> int:
+def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, device, log):
     """Weights, optimizer states, scaler, data position, RNG; returns the step (0: none)."""
     if checkpoint is None:
         return 0
@@ -1451,8 +1452,8 @@ def write_checkpoint(cfg, launch, device, model, optimizers, scaler, loader, ste
 
 
 def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir):
-    """Stop a run whose loss or gradient norm is not finite, saving nothing. With float16's loss
-    scaling an infinite norm is routine (the step is skipped)."""
+    """Stop a run whose loss or gradient norm is not finite, saving nothing (with float16's loss
+    scaling an infinite norm is routine: the step is skipped)."""
     if math.isfinite(train_loss) and (loss_scaling or math.isfinite(grad_norm)):
         return
     saved = checkpoint_paths(log_dir)
@@ -1466,7 +1467,7 @@ def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir):
 @contextlib.contextmanager
 def catching_stop_signals():
     """SIGTERM (preemption), SIGHUP or Ctrl-C set ["requested"]: the step ends, checkpoints,
-    exits; a second Ctrl-C stops at once. A signal ignored at start (nohup) stays ignored."""
+    exits; a second Ctrl-C stops at once. A signal ignored (nohup) stays ignored."""
     stop = {"requested": False}
 
     def handle(signum, frame):
@@ -1484,7 +1485,7 @@ def catching_stop_signals():
             signal.signal(signum, handler)
 
 
-def interrupted_line(cfg: TrainConfig | None) -> str:
+def interrupted_line(cfg: TrainConfig | None):
     if cfg is None or cfg.export_hf or cfg.generate or cfg.eval_only:  # nothing to save
         return "stopped by Ctrl-C"
     saved = checkpoint_paths(cfg.log_dir)
@@ -1494,9 +1495,9 @@ def interrupted_line(cfg: TrainConfig | None) -> str:
             f"from it, {RESUME_AUTO}")
 
 
-def stop_or_fail_together(signalled: bool, sources: list, launch: Launch, device: str) -> bool:
+def stop_or_fail_together(signalled, sources: list, launch: Launch, device):
     """Whether any rank got a stop signal (a scheduler may signal some); raises any rank's
-    problem (a bad token id, a failed log write) on all. One all-reduce."""
+    problem (a bad token id, a failed write) on all."""
     problem = next((source.problem for source in sources if source and source.problem), None)
     flags = [signalled, problem is not None]
     if launch.torchrun:
@@ -1510,7 +1511,7 @@ def stop_or_fail_together(signalled: bool, sources: list, launch: Launch, device
 
 # ------------------------------ logging
 
-def make_log_dir(log_dir: str):
+def make_log_dir(log_dir):
     try:
         os.makedirs(log_dir, exist_ok=True)
     except OSError as error:
@@ -1519,8 +1520,8 @@ def make_log_dir(log_dir: str):
                           "write to") from None
 
 
-def record_step(line: str, default: int) -> int:
-    """A metrics.jsonl record's step; default for the summary or a line cut short."""
+def record_step(line, default):
+    """A metrics.jsonl record's step; default for the summary or a cut line."""
     try:
         return json.loads(line).get("step", default)
     except json.JSONDecodeError:
@@ -1531,7 +1532,7 @@ class MetricsLog:
     """Rank 0 prints lines, appends records to <log_dir>/metrics.jsonl (and TensorBoard's file).
     A failed write is the problem all ranks stop on at the step's end."""
 
-    def __init__(self, log_dir: str, active: bool, tensorboard: bool = False):
+    def __init__(self, log_dir, active, tensorboard: bool = False):
         self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
         self.records, self.problem, self.tensorboard = [], None, tensorboard
 
@@ -1561,11 +1562,11 @@ class MetricsLog:
             for event in events:
                 writer.write(event.SerializeToString())
 
-    def say(self, line: str):
+    def say(self, line):
         if self.active:
             print(line, flush=True)
 
-    def write(self, record: dict, line: str):
+    def write(self, record, line):
         if not self.active:
             return
         self.say(line)
@@ -1604,11 +1605,6 @@ class MetricsLog:
             f"val loss {scores['val_loss']:.6f}" if "val_loss" in scores else "HellaSwag acc_norm "
             f"{scores['hellaswag_acc_norm']:.4f} (acc {scores['hellaswag_acc']:.4f})"))
 
-    def epoch_begins(self, step, max_steps, loader):
-        self.write({"step": step, "epoch": loader.epoch}, f"step {step:5d}/{max_steps} | epoch "
-                   f"{loader.epoch} begins: all {loader.num_windows:,} training windows were used, "
-                   f"starting again{' in a new order' if loader.shuffle else ''}")
-
     def summary(self, step_ms, cfg, device, flops_per_step, world_size):
         """Median speed after the untimed first steps; peak memory."""
         timed = step_ms[UNTIMED_STEPS:] or step_ms
@@ -1634,22 +1630,22 @@ class MetricsLog:
         self.write({"summary": summary}, line)
 
 
-def count_parameters(model: nn.Module) -> int:
+def count_parameters(model: nn.Module):
     return sum(p.numel() for p in model.parameters())  # the tied matrix counts once
 
 
-def flops_per_token(model_config: GPTConfig, num_params: int, seq_len: int) -> int:
+def flops_per_token(model_config: GPTConfig, num_params, seq_len):
     """Training FLOPs a token: 6N for the matmuls, 12 L T C for attention (PaLM, App. B)."""
     return 6 * num_params + 12 * model_config.n_layer * seq_len * model_config.n_embd
 
 
-def model_flops_utilization(flops_per_step, step_ms, peak_tflops, world_size) -> float:
+def model_flops_utilization(flops_per_step, step_ms, peak_tflops, world_size):
     return flops_per_step * 1000 / step_ms / (world_size * peak_tflops * 1e12)
 
 
 # ------------------------------ other run modes
 
-def generate_samples(cfg: TrainConfig, device: str) -> list[str]:
+def generate_samples(cfg: TrainConfig, device):
     """--generate; the one-token step compiled only with --compile (it outlasts a short text)."""
     model, timing = build_model(cfg, device), {}
     texts = print_samples(model, gpt2_tokenizer(), cfg, device, autocast_for(cfg, device),
@@ -1665,7 +1661,7 @@ def generate_samples(cfg: TrainConfig, device: str) -> list[str]:
     return texts
 
 
-def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
+def evaluate_only(cfg: TrainConfig, launch: Launch, device):
     """Val loss and HellaSwag accuracy (if its file can be had) of --init_from's weights."""
     problem, hellaswag, missing = None, None, None
     try:
@@ -1694,8 +1690,8 @@ def evaluate_only(cfg: TrainConfig, launch: Launch, device: str) -> dict:
     return result
 
 
-def export_hf(cfg: TrainConfig) -> str:
-    """--init_from's weights and tiktoken's tokenizer as a checked transformers folder."""
+def export_hf(cfg: TrainConfig):
+    """--init_from's weights and the tokenizer as a checked transformers folder."""
     transformers = import_transformers("--export_hf")
     try:
         import blobfile  # noqa: F401 (transformers' tiktoken converter writes through it)
@@ -1734,7 +1730,7 @@ def export_hf(cfg: TrainConfig) -> str:
     return cfg.export_hf
 
 
-def save_pretrained(hf_model, folder: str):
+def save_pretrained(hf_model, folder):
     from safetensors import SafetensorError
     try:
         hf_model.save_pretrained(folder)
@@ -1744,9 +1740,9 @@ def save_pretrained(hf_model, folder: str):
         raise OSError(str(error).partition("I/O error: ")[2]) from None
 
 
-def check_export(exported, model_config: GPTConfig, state: dict):
-    """The exported model, as loaded, gives our logits to float32 rounding; a hacked one (other
-    activation, norm or block) would not."""
+def check_export(exported, model_config: GPTConfig, state):
+    """The exported model, as loaded, gives our logits; a hacked one (another activation, norm
+    or block) would not."""
     ours = GPT(model_config)
     ours.load_state_dict(state)
     vocab_size = exported.config.vocab_size
@@ -1773,10 +1769,10 @@ def launch_from_env(environ) -> Launch:
 @dataclass
 class TrainResult:
     model: "GPT"  # the plain model: no DDP or compile wrapper
-    records: list[dict]  # what rank 0 logged; empty on other ranks
+    records: list[dict]  # what rank 0 logged
 
 
-def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str:
+def out_of_memory_message(cfg: TrainConfig, device, world_size):
     if cfg.generate:
         return f"out of memory on {device} while generating: lower --num_samples"
     B, T = cfg.micro_batch_size, cfg.seq_len
@@ -1788,7 +1784,7 @@ def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str
     if smaller:
         return (f"{where}: lower --micro_batch_size to {smaller[0]} (a step stays "
                 f"{cfg.total_batch_size:,} tokens, in more micro-steps)"
-                + (f", or add {savers[0]}" if not cfg.loss_chunk_size else ""))
+                + (", or add --loss_chunk_size 8192" if not cfg.loss_chunk_size else ""))
     add = f"add {' or '.join(savers)}, " if savers else ""
     return f"{where}: {add}lower --seq_len or pick a smaller --model"
 
@@ -1796,7 +1792,7 @@ def out_of_memory_message(cfg: TrainConfig, device: str, world_size: int) -> str
 @record  # under torchrun the failure summary names the failing rank and its traceback
 def main(cfg: TrainConfig | None, launch: Launch | None = None,
          problem: ConfigError | None = None) -> TrainResult | dict | list[str] | str:
-    """Run cfg; under torchrun all ranks join, then check it together (None: see problem)."""
+    """Run cfg; under torchrun all ranks join, then check it together."""
     launch = launch or launch_from_env(os.environ)
     settled, notes = cfg, []
     try:
