@@ -111,7 +111,7 @@ class TrainConfig:
     shard_optimizer: bool = flag(False, "under torchrun, share the optimizer state out (ZeRO-1)")
     seed: int = flag(1337, "seed for initialisation, shuffling and sampling")
     peak_tflops: float | None = flag(None, "one device's peak TFLOP/s, for MFU (default: the "
-                                           "GPU's, from a table)")
+                                           "GPU's, from a table of common GPUs)")
     init_from: str = flag("", "start from gpt2, gpt2-medium, gpt2-large, gpt2-xl or a checkpoint",
                           section="weights and run modes")
     eval_only: bool = flag(False, "print the val loss and HellaSwag accuracy, then exit")

@@ -38,7 +38,7 @@ def test_a_run_writes_every_figure_of_metrics_jsonl_at_its_step(tmp_path):
     curves = board_curves(tmp_path)
     assert sorted(curves) == ["grad_norm", "lr", "ms", "tokens_per_s", "train_loss", "val_loss"]
     assert [step for step, _ in curves["train_loss"]] == list(range(8))
-    assert [step for step, _ in curves["val_loss"]] == [3, 7]
+    assert [step for step, _ in curves["val_loss"]] == [-1, 3, 7]  # -1: before training
     assert curves == jsonl_curves(tmp_path)
 
 
@@ -52,11 +52,11 @@ def test_a_run_killed_after_a_checkpoint_and_resumed_holds_each_step_once(tmp_pa
     process.send_signal(signal.SIGKILL)  # ckpt_8 comes after two more steps
     process.communicate(timeout=60)
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_4.pt"]
-    assert [step for step, _ in board_curves(tmp_path)["val_loss"]] == [4]  # the killed run's
+    assert [step for step, _ in board_curves(tmp_path)["val_loss"]] == [-1, 4]  # the killed run's
     resumed = run_script(args + ["--resume", "auto", "--stop_after_steps", "2", "--eval_every", "0"], env=ONE_THREAD)
     assert resumed.returncode == 0, resumed.stderr
     curves = board_curves(tmp_path)
-    assert not curves.get("val_loss")  # step 4's went with the rest from step 4 on
+    assert [step for step, _ in curves["val_loss"]] == [-1]  # step 4's went with the rest from step 4 on
     assert [step for step, _ in curves["train_loss"]] == list(range(6))
     assert {tag: values for tag, values in curves.items() if values} == jsonl_curves(tmp_path)
 
