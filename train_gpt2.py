@@ -499,7 +499,13 @@ def due(every: int, steps_done: int, last_step: bool) -> bool:
     return bool(every) and (steps_done % every == 0 or last_step)
 
 
-def train(cfg: TrainConfig, launch: Launch, device, stop_signal: dict, notes) -> "TrainResult":
+@dataclass
+class TrainResult:
+    model: "GPT"  # the plain model: no DDP or compile wrapper
+    records: list[dict]  # what rank 0 logged
+
+
+def train(cfg: TrainConfig, launch: Launch, device, stop_signal: dict, notes) -> TrainResult:
     log = MetricsLog(cfg.log_dir, launch.rank == 0, cfg.tensorboard)
     run = open_run(cfg, launch, device, log)  # data, model, checkpoint: the same on every rank
     raw_model, train_loader, val_loader = run.model, run.train_loader, run.val_loader
@@ -1373,8 +1379,9 @@ def check_resumable(checkpoint: dict, cfg: TrainConfig, model_config: GPTConfig)
     """Refuse a checkpoint this run would misread: a GPTConfig field that differs (any but the
     training_settings), the data position's units, the optimizer."""
     saved, wanted = checkpoint["model_config"], dataclasses.asdict(model_config)
+    this_runs = training_settings(cfg)
     differing = [f"{name} {saved.get(name)} -> {wanted.get(name)}" for name in {**saved, **wanted}
-                 if name not in training_settings(cfg) and saved.get(name) != wanted.get(name)]
+                 if name not in this_runs and saved.get(name) != wanted.get(name)]
     differing += [f"{name} {checkpoint['config'][name]} -> {getattr(cfg, name)}"
                   for name in ("total_batch_size", "seq_len")  # the data position's units
                   if checkpoint["config"][name] != getattr(cfg, name)]
@@ -1764,12 +1771,6 @@ def launch_from_env(environ) -> Launch:
         return Launch()
     return Launch(int(environ["RANK"]), int(environ["LOCAL_RANK"]), int(environ["WORLD_SIZE"]),
                   torchrun=True, local_world_size=int(environ["LOCAL_WORLD_SIZE"]))
-
-
-@dataclass
-class TrainResult:
-    model: "GPT"  # the plain model: no DDP or compile wrapper
-    records: list[dict]  # what rank 0 logged
 
 
 def out_of_memory_message(cfg: TrainConfig, device, world_size):
