@@ -10,7 +10,8 @@
                                                rank's own files, as on machines with their own disks
     ddp_entry.py nan_loss RANK STEP FLAGS...   train, with rank RANK's loss turning NaN at step STEP (one
                                                micro-step a step)
-    ddp_entry.py grad_sync OUT                 one accumulated step both ways; rank 0 saves both gradients
+    ddp_entry.py grad_sync OUT                 train()'s first accumulated step both ways; rank 0 saves both
+                                               gradients
     ddp_entry.py card NAME[:BUILD] FLAGS...    train on a machine of 2 of conftest.CARDS[NAME], as torch reports them
                                                (BUILD: a key of conftest.ARCH_LISTS, cu126 unless given)
 """
@@ -67,37 +68,54 @@ def nan_loss(rank, step, flags):
     training_forwards = [0]
 
     def forward_that_diverges_on_one_rank(self, idx, targets=None):
-        loss = plain_forward(self, idx, targets)
+        logits, loss = plain_forward(self, idx, targets)
         if targets is not None and self.training and os.environ["RANK"] == rank:
             training_forwards[0] += 1
             if training_forwards[0] == step + 1:
-                return loss * float("nan")  # its gradients are NaN too, and DDP averages them into every rank's
-        return loss
+                return logits, loss * float("nan")  # its gradients are NaN too, and DDP averages them into every rank's
+        return logits, loss
 
     train_gpt2.GPT.forward = forward_that_diverges_on_one_rank
     train_gpt2.main(train_gpt2.parse_args(flags))
 
 
 def grad_sync(out):
+    """train()'s first step, its micro-steps inline: the gradients after them, as all_reduce_mean (called once a step,
+    right after the micro-steps) sees them, with DDP synced in the last micro-step only (no_sync in the others) and
+    in every one (no_sync a no-op)."""
+    from conftest import TINY_ARGS
+
     launch = train_gpt2.launch_from_env(os.environ)
     train_gpt2.init_distributed(launch, "cpu")
-    stream = train_gpt2.TokenStream([torch.randint(0, 64, (4096,), generator=torch.Generator().manual_seed(0))
-                                     .numpy().astype("uint16")])
-    gradients = []
+    # 4 micro-steps x 2 ranks x 2 windows of 16 + 1 tokens a step, in order
+    flags = TINY_ARGS + ["--block_size", "16", "--seq_len", "16", "--micro_batch_size", "2", "--total_batch_size",
+                         "256", "--max_steps", "1", "--warmup_steps", "1", "--ckpt_every", "0"]
+    gradients, models = [], []
+    configure_optimizers, all_reduce_mean = train_gpt2.configure_optimizers, train_gpt2.all_reduce_mean
+
+    def configure_optimizers_seeing_the_model(model, *args, **kwargs):
+        models.append(model)  # train()'s plain model, inside its DDP wrapper
+        return configure_optimizers(model, *args, **kwargs)
+
+    def all_reduce_mean_after_the_micro_steps(value, launch):
+        gradients.append({n: p.grad.clone() for n, p in models.pop().named_parameters()})
+        return all_reduce_mean(value, launch)
+
+    train_gpt2.configure_optimizers = configure_optimizers_seeing_the_model
+    train_gpt2.all_reduce_mean = all_reduce_mean_after_the_micro_steps
+    no_sync = DDP.no_sync
     for sync_last_only in (True, False):
-        torch.manual_seed(0)
-        model = DDP(train_gpt2.GPT(train_gpt2.GPTConfig(2, 2, 32, block_size=16, vocab_size=64)))
-        # 4 micro-steps x 2 ranks x 2 windows of 16 + 1 tokens a step, in order
-        loader = train_gpt2.DataLoader(stream, 2, 16, launch.rank, launch.world_size, False, 0)
-        scaler = torch.amp.GradScaler("cpu", enabled=False)
-        train_gpt2.forward_backward(model, loader, 4, "cpu", contextlib.nullcontext, scaler, sync_last_only)
-        gradients.append({n: p.grad for n, p in model.module.named_parameters()})
+        DDP.no_sync = no_sync if sync_last_only else lambda self: contextlib.nullcontext()
+        cfg, _ = train_gpt2.device_settings(train_gpt2.parse_args(
+            flags + ["--log_dir", str(Path(out).parent / f"log_{sync_last_only}")]), launch)
+        # it frees its DDP model when it returns: the reducer holds the process group and, freed after
+        # destroy_process_group, would destroy the group itself, which joins gloo's threads while holding the GIL that
+        # one of them may be waiting for (PyTorch #56297): this launch once hung so
+        train_gpt2.train(cfg, launch, "cpu", {"requested": False})
+    DDP.no_sync = no_sync
+    assert len(gradients) == 2, len(gradients)
     if launch.rank == 0:
         torch.save(gradients, out)
-    # DDP's reducer holds the process group. Freed after destroy_process_group, it would destroy the group itself,
-    # which joins gloo's threads while holding the GIL that one of them may be waiting for (PyTorch #56297): this
-    # launch once hung so. train_gpt2.main frees its DDP model before, when train() returns.
-    del model
     dist.destroy_process_group()
 
 

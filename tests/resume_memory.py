@@ -22,9 +22,9 @@ import train_gpt2  # noqa: E402
 
 def write_checkpoint(path: str) -> None:
     model = train_gpt2.GPT(train_gpt2.GPTConfig(n_layer=12, n_head=12, n_embd=768))
-    [optimizer] = train_gpt2.configure_optimizer(model, train_gpt2.parse_args([]), fused=False, sharded=False)
+    [optimizer] = train_gpt2.configure_optimizers(model, train_gpt2.parse_args([]), fused=False, sharded=False)
     tokens = torch.randint(0, 50257, (1, 16), generator=torch.Generator().manual_seed(0))
-    model(tokens, tokens).backward()
+    model(tokens, tokens)[1].backward()  # (logits, loss)
     optimizer.step()  # creates AdamW's two moments for every weight
     state = {"model": model.state_dict(), "model_config": vars(model.config), "optimizer": [optimizer.state_dict()],
              "scaler": {}, "step": 1, "config": {}, "windows_consumed": 0, "rng": {}}  # what a checkpoint holds

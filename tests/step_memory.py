@@ -24,6 +24,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loss_chunk_size", type=int, default=0)
     parser.add_argument("--recompute", action="store_true", help="recompute the blocks in backward")
+    parser.add_argument("--hold_logits", action="store_true", help="keep forward's logits through backward")
     parser.add_argument("--n_layer", type=int, default=2)
     parser.add_argument("--n_head", type=int, default=2)
     parser.add_argument("--n_embd", type=int, default=64)
@@ -42,7 +43,10 @@ def main():
     tokens = torch.randint(0, 50304, (args.batch_size, 1024))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
     started = time.perf_counter()
-    loss = model(tokens, tokens)
+    out = model(tokens, tokens)  # (logits, loss); the loss alone from a train_gpt2.py before issue 50 (--code)
+    loss = out[1] if isinstance(out, tuple) else out
+    if not args.hold_logits:  # as train() does: the logits let go before backward
+        del out
     loss.backward()
     seconds = time.perf_counter() - started
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

@@ -385,7 +385,7 @@ def test_ctrl_c_in_another_run_mode_stops_it_at_once_with_one_line(tmp_path):
     signal comes once the model is generating (the script's start, imports included, takes a few seconds)."""
     process = start_training(["train_gpt2.py", "--generate", "--device", "cpu", "--n_layer", "2", "--n_head", "2",
                               "--n_embd", "32", "--block_size", "64", "--seq_len", "64", "--num_samples", "1",
-                              "--max_new_tokens", "200000"])
+                              "--max_new_tokens", "200000", "--log_dir", str(tmp_path / "log")])
     time.sleep(15)
     still_running = process.poll() is None
     process.send_signal(signal.SIGINT)
@@ -445,7 +445,8 @@ def test_a_file_that_is_not_our_checkpoint_is_one_line_naming_what_it_is(tmp_pat
     path, what = not_a_checkpoint(tmp_path, kind)
     args = [arg.format(path=path, tmp=tmp_path) for arg in flags]
     with pytest.raises(SystemExit) as stopped:
-        t.main(t.parse_args((EIGHT_STEPS if args[0] == "--resume" else ["--device", "cpu"]) + args))
+        t.main(t.parse_args((EIGHT_STEPS if args[0] == "--resume" else ["--device", "cpu"]) + args
+                            + ["--log_dir", str(tmp_path / "log")]))
     assert stopped.value.code == 2
     assert capsys.readouterr().err == f"error: {args[0]} {path} is {what}: give a ckpt_<step>.pt from a --log_dir\n"
     # (@record's fault handler finds no fileno for pytest's captured stderr, and says so)
@@ -496,7 +497,7 @@ def test_ckpt_every_0_writes_no_checkpoint(tmp_path):
 def test_resume_checks_a_model_field_a_hacker_adds_and_names_a_changed_flag_added_to_the_optimizer(
         tmp_path, monkeypatch, capsys):
     """The checks named seven shape fields and four schedule flags in lists: a field added to GPTConfig (say, the
-    number of key/value heads) or a flag added under --help's optimizer and schedule went unchecked."""
+    number of key/value heads) or a flag added under --help's optimizer section went unchecked."""
     import dataclasses
 
     def config_with(kv_heads):
@@ -504,12 +505,12 @@ def test_resume_checks_a_model_field_a_hacker_adds_and_names_a_changed_flag_adde
 
     fields = [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
               for f in dataclasses.fields(t.TrainConfig)]
-    after = [name for name, _, _ in fields].index("grad_clip") + 1
-    fields.insert(after, ("lr_floor", float, t.flag(0.0, "a hacker's flag: the lowest learning rate")))
+    # at the end of TrainConfig, after the checkpoints' flags: its section is its own, not its place's
+    fields.append(("lr_floor", float, t.flag(0.0, "a hacker's flag: the lowest learning rate", "optimizer")))
     monkeypatch.setattr(t, "TrainConfig", dataclasses.make_dataclass("TrainConfig", fields))
     monkeypatch.setattr(t, "GPTConfig", config_with(2))
     assert t.parse_args(["--lr_floor", "1e-5"]).lr_floor == 1e-5 and "lr_floor" in t.section_fields(
-        "optimizer and schedule")
+        "optimizer")
     run(["--max_steps", "4", "--warmup_steps", "1"], tmp_path)
     assert t.load_checkpoint(str(tmp_path / "ckpt_4.pt"))["model_config"]["n_kv_head"] == 2
     capsys.readouterr()

@@ -26,7 +26,7 @@ def one_line_error(result):
     [
         (["--total_batch_size", "1000"],
          "error: --total_batch_size 1000 is not divisible by micro_batch_size x seq_len x processes = 4 x 32 x 1 = 128: "
-         "make --total_batch_size a multiple of it"),
+         "make --total_batch_size a multiple of seq_len x processes = 32"),  # no micro batch divides 1000
         (["--seq_len", "128"],
          "error: --seq_len 128 is longer than --block_size 64: lower --seq_len or raise --block_size"),
         (["--model", "gpt3"], "error: argument --model: invalid choice: 'gpt3' (choose from 'gpt2', "
@@ -44,10 +44,10 @@ def one_line_error(result):
         (["--learning_rate", "1"], "error: unrecognized arguments: --learning_rate 1 (see --help)"),
     ],
 )
-def test_config_mistakes(args, message, capsys):
+def test_config_mistakes(args, message, capsys, tmp_path):
     """Run in this process (a new Python costs 2 s a case); test_the_command_line_says_a_mistake_in_one_line checks
     that the command line prints the same."""
-    assert error_line_in_process(TINY_ARGS + args, capsys) == message
+    assert error_line_in_process(TINY_ARGS + ["--log_dir", str(tmp_path)] + args, capsys) == message
 
 
 @pytest.mark.parametrize("args, message", [
@@ -107,18 +107,20 @@ def error_line_in_process(args, capsys):
 
 
 @pytest.mark.parametrize("args", [["--max_steps", "ten"], ["--total_batch_size", "1000"], ["--device", "cuda"]])
-def test_the_command_line_says_a_mistake_in_one_line(args, capsys):  # one from the parser, two from main's checks
-    assert one_line_error(run_script(TINY_ARGS + args)) == error_line_in_process(TINY_ARGS + args, capsys)
+def test_the_command_line_says_a_mistake_in_one_line(args, capsys, tmp_path):  # one from the parser, two from main's
+    args = TINY_ARGS + ["--log_dir", str(tmp_path)] + args  # checks
+    assert one_line_error(run_script(args)) == error_line_in_process(args, capsys)
 
 
 def test_missing_data_dir(tmp_path):
-    line = one_line_error(run_script(TINY_ARGS + ["--data_dir", str(tmp_path / "nowhere")]))
+    line = one_line_error(run_script(TINY_ARGS + ["--data_dir", str(tmp_path / "nowhere"),
+                                                  "--log_dir", str(tmp_path / "log")]))
     assert line == f"error: --data_dir {tmp_path / 'nowhere'} is not a folder: run fineweb.py to make shards, or fix the path"
 
 
 def test_data_dir_without_shards(tmp_path):
     (tmp_path / "notes.txt").write_text("no shards here")
-    line = one_line_error(run_script(TINY_ARGS + ["--data_dir", str(tmp_path)]))
+    line = one_line_error(run_script(TINY_ARGS + ["--data_dir", str(tmp_path), "--log_dir", str(tmp_path / "log")]))
     assert line == f"error: no train shards (*_train_*.npy) in --data_dir {tmp_path}: run fineweb.py to make them"
 
 
@@ -131,7 +133,7 @@ def test_text_download_failure_offline(tmp_path, monkeypatch, capsys):
     line = error_line_in_process(args, capsys)
     assert line.startswith(f"error: could not download {url} to {missing} (")
     assert line.endswith("): put a text file there, or pass --text_file or --data_dir")
-    assert [p.name for p in tmp_path.iterdir()] == ["log"]  # no partial download left behind
+    assert list(tmp_path.iterdir()) == []  # no partial download left behind, nor the log folder: the inputs come first
 
 
 def test_importing_the_scripts_does_no_work_and_loads_only_what_every_run_needs():
@@ -149,8 +151,7 @@ def test_help_explains_every_flag_under_its_section_within_the_terminal():
     result = run_script(["--help"], env={"COLUMNS": "80"})
     assert result.returncode == 0
     assert max(len(line) for line in result.stdout.splitlines()) <= 80
-    sections = ["model", "data", "batch", "optimizer and schedule", "runtime", "weights and run modes",
-                "evaluation and logging", "checkpoints"]
+    sections = ["model", "data", "batch", "optimizer", "runtime", "run modes", "logging", "checkpoints"]
     found, flags, helps = [], [], []
     for line in result.stdout.splitlines():
         if line.rstrip(":") in sections:
@@ -164,7 +165,7 @@ def test_help_explains_every_flag_under_its_section_within_the_terminal():
     assert [name for _, name in flags] == [f"--{field.name}" for field in dataclasses.fields(t.TrainConfig)]
     assert all("(default" in text for text in helps), helps
     assert ("batch", "--micro_batch_size") in flags and ("model", "--dropout") in flags
-    assert any("for MFU (default: the GPU's, from a table of common GPUs)" in text for text in helps)
+    assert any("a GPU's peak TFLOP/s, for MFU (default: the machine picks)" in text for text in helps)
 
 
 @pytest.mark.parametrize(
@@ -187,7 +188,9 @@ def test_help_explains_every_flag_under_its_section_within_the_terminal():
         (["--num_samples", "0"], "--num_samples must be at least 1, got 0"),
         (["--top_k", "0"], "--top_k must be at least 1, got 0"),
         (["--temperature", "0"], "--temperature 0.0 is not above 0"),
-        (["--max_new_tokens", "-1", "--eps", "-1"], "--max_new_tokens -1, --eps -1.0: must be 0 or more"),
+        (["--max_new_tokens", "-1"], "--max_new_tokens -1: must be 0 or more"),
+        (["--eps", "-1"], "--eps -1.0 is not above 0: AdamW divides by it where a gradient is 0 (try 1e-8)"),
+        (["--eps", "0"], "--eps 0.0 is not above 0: AdamW divides by it where a gradient is 0 (try 1e-8)"),
         (["--init_from", "gpt5"], "--init_from gpt5 is neither gpt2, gpt2-medium, gpt2-large, gpt2-xl nor a checkpoint file"),
         (["--generate", "--eval_only"], "--generate and --eval_only are separate runs: pick one"),
         (["--init_from", "gpt2", "--resume", "auto"],
@@ -199,8 +202,11 @@ def test_help_explains_every_flag_under_its_section_within_the_terminal():
 def test_more_config_mistakes(args, message):
     import train_gpt2 as t
 
+    shape = ("--n_layer", "--n_head", "--n_embd")  # --init_from sets them: parse_args refuses them beside it
+    flags = [arg for pair in zip(TINY_ARGS[::2], TINY_ARGS[1::2], strict=True)
+             if "--init_from" not in args or pair[0] not in shape for arg in pair]
     with pytest.raises(t.ConfigError) as raised:
-        t.check_config(t.parse_args(TINY_ARGS + args), world_size=1)
+        t.check_config(t.parse_args(flags + args), world_size=1)
     assert str(raised.value) == message
 
 
@@ -251,7 +257,7 @@ def test_more_gpus_asked_for_than_the_machine_has(device, launch, message):
 
 
 @pytest.mark.parametrize("flags", [[], ["--device", "cuda"], ["--no-compile"]])
-def test_a_plain_run_on_a_gpu_machine_starts_on_cuda_0(flags, monkeypatch):
+def test_a_plain_run_on_a_gpu_machine_starts_on_cuda_0(flags, monkeypatch, tmp_path):
     """The README's one-GPU command, `python train_gpt2.py` without torchrun: it used to stop at start on a GPU,
     as torch.cuda.set_device("cuda") raises. CUDA is reported present here, and set_device checks its argument
     with torch's own function, as the real one does first."""
@@ -261,7 +267,7 @@ def test_a_plain_run_on_a_gpu_machine_starts_on_cuda_0(flags, monkeypatch):
     report_card("h100", monkeypatch.setattr)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: selected.append(_get_device_index(device)))
     monkeypatch.setattr(t, "train", lambda cfg, launch, device, stop_signal, notes: started.append(device) or "trained")
-    assert t.main(t.parse_args(flags)) == "trained"
+    assert t.main(t.parse_args(flags + ["--log_dir", str(tmp_path)])) == "trained"
     assert selected == [0] and started == ["cuda:0"]
     with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
         torch.cuda.set_device("cuda")  # the stand-in rejects what the real call rejected
@@ -273,7 +279,7 @@ def test_sequence_longer_than_the_checkpoint_model(tmp_path):
     t.main(t.parse_args(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path)]))  # block_size 64
     cfg = t.parse_args(["--init_from", str(tmp_path / "ckpt_2.pt"), "--seq_len", "128", "--device", "cpu"])
     with pytest.raises(t.ConfigError) as raised:
-        t.build_model(cfg, "cpu")
+        t.load_model(cfg, "cpu")
     assert str(raised.value) == "--seq_len 128 is longer than the model's 64 positions: lower --seq_len"
 
 

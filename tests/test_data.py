@@ -112,7 +112,7 @@ def test_data_with_fewer_windows_than_a_step_is_refused(monkeypatch):
     monkeypatch.setattr(t, "load_token_streams", lambda cfg: (arange_stream(16), arange_stream(17)))
     with pytest.raises(t.ConfigError, match=r"^the training data holds 16 tokens, 3 windows of 4 \+ 1, but one step "
                                             r"of --total_batch_size 16 tokens needs 4: train on more data"):
-        t.open_data(cfg, t.Launch(), with_val=False)
+        t.open_token_streams(cfg, with_val=False)
 
 
 @pytest.mark.parametrize("content, reason", [(b"caf\xe9 in Latin-1", "not UTF-8: invalid continuation byte at byte 3"),

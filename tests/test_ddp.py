@@ -105,7 +105,8 @@ def test_two_processes_on_one_machine_or_two_train_exactly_like_one(tmp_path):
 @pytest.mark.parametrize("node_1_flags, message", [
     (["--micro_batch_size", "2"], "error: the processes were started with different flags (--micro_batch_size 4 on "
                                   "rank 0 but 2 on rank 1): start every machine with the same command"),
-    (["--max_stepz", "3"], "error: unrecognized arguments: --max_stepz 3 (see --help) (on rank 1)"),
+    (["--max_stepz", "3"], "error: unrecognized arguments: --max_stepz 3: did you mean --max_steps? (see --help) "
+                           "(on rank 1)"),
 ])
 def test_a_mistake_made_on_another_machine_stops_both_with_one_line_from_rank_0(tmp_path, node_1_flags, message):
     """A command typed differently on node 1: every rank joins the process group, then the ranks compare their flags
@@ -137,7 +138,8 @@ def test_batch_not_divisible_by_world_size_stops_every_rank_with_one_line(tmp_pa
     result = torchrun(2, ["train_gpt2.py"] + flags)
     assert result.returncode != 0
     message = ("error: --total_batch_size 384 is not divisible by micro_batch_size x seq_len x processes "
-               "= 4 x 32 x 2 = 256: make --total_batch_size a multiple of it")
+               "= 4 x 32 x 2 = 256: use --micro_batch_size 3, the largest that divides it, or make --total_batch_size "
+               "a multiple of it")
     assert result.stderr.count(message) == 1, result.stderr  # said once, by rank 0
     # torchrun's summary names the root cause: a rank that exited with our user-error status. (The other
     # rank exits 2 too, unless torchrun's SIGTERM reaches it first.) torchrun adds a traceback of its own.

@@ -48,7 +48,7 @@ def one_ending_at_a_time(model, example):
         for ending in example["endings"]:
             ending_tokens = TOKENIZER.encode_ordinary(" " + ending)
             row = torch.tensor([context + ending_tokens])
-            losses = F.cross_entropy(model(row)[0, :-1], row[0, 1:], reduction="none")[len(context) - 1 :]
+            losses = F.cross_entropy(model(row)[0][0, :-1], row[0, 1:], reduction="none")[len(context) - 1 :]
             assert len(losses) == len(ending_tokens)
             sums.append(losses.sum().item())
             means.append(losses.mean().item())
@@ -214,14 +214,14 @@ def test_openai_weights_through_transformers_give_the_same_logits():
     ours.load_state_dict(t.state_from_openai(hf_model.state_dict()))
     idx = torch.randint(0, 64, (3, 16))
     with torch.no_grad():
-        torch.testing.assert_close(ours(idx), hf_model(idx).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ours(idx)[0], hf_model(idx).logits, rtol=0, atol=1e-5)
 
 
 def test_init_from_without_transformers_says_how_to_get_it(tmp_path):
     fake = tmp_path / "fake_modules" / "transformers"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('transformers is not installed')\n")
-    result = run_script(["--init_from", "gpt2", "--generate", "--device", "cpu"],
+    result = run_script(["--init_from", "gpt2", "--generate", "--device", "cpu", "--log_dir", str(tmp_path / "log")],
                         env={"PYTHONPATH": str(tmp_path / "fake_modules")})
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.strip() == "error: --init_from gpt2 needs the transformers library: pip install transformers"
@@ -231,7 +231,7 @@ def test_init_from_gpt2_offline_says_so_in_one_line(tmp_path):
     """Offline with nothing cached, transformers' hub client used to retry for 30 s and print 16 lines first."""
     pytest.importorskip("transformers")
     endpoint = "http://127.0.0.1:9"  # the discard port: refused at once, with or without a network
-    result = run_script(["--init_from", "gpt2", "--generate", "--device", "cpu"],
+    result = run_script(["--init_from", "gpt2", "--generate", "--device", "cpu", "--log_dir", str(tmp_path / "log")],
                         env={"HF_ENDPOINT": endpoint, "HF_HOME": str(tmp_path / "hf_home")})
     assert result.returncode == 2 and result.stdout == ""
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
@@ -242,7 +242,8 @@ def test_init_from_gpt2_offline_says_so_in_one_line(tmp_path):
 def test_export_hf_gives_transformers_the_same_model_and_tokenizer(one_thread, tmp_path):
     transformers = pytest.importorskip("transformers")
     trained = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "3", "--log_dir", str(tmp_path / "log")])).model
-    t.main(t.parse_args(["--init_from", str(tmp_path / "log" / "ckpt_3.pt"), "--export_hf", str(tmp_path / "hf")]))
+    t.main(t.parse_args(["--init_from", str(tmp_path / "log" / "ckpt_3.pt"), "--export_hf", str(tmp_path / "hf"),
+                         "--log_dir", str(tmp_path / "log")]))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "log"]  # renamed into place
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
     unicode = "naïve café 東京 данные مرحبا 😀 🏳️‍🌈 x² — \t\n\n \u2028 end"
@@ -255,7 +256,7 @@ def test_export_hf_gives_transformers_the_same_model_and_tokenizer(one_thread, t
     greedy = prompt + []
     with torch.no_grad():
         for _ in range(5):
-            greedy.append(int(trained.eval()(torch.tensor([greedy]))[0, -1, :50257].argmax()))
+            greedy.append(int(trained.eval()(torch.tensor([greedy]))[0][0, -1, :50257].argmax()))
     generated = generator("ROMEO:", max_new_tokens=5, do_sample=False)[0]["generated_text"]
     assert generated == TOKENIZER.decode(greedy)
     hf_model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
@@ -263,7 +264,7 @@ def test_export_hf_gives_transformers_the_same_model_and_tokenizer(one_thread, t
     assert hf_model.lm_head.weight.data_ptr() == hf_model.transformer.wte.weight.data_ptr()  # still tied
     idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = trained.eval()(idx)[..., :50257]
+        ours = trained.eval()(idx)[0][..., :50257]
         torch.testing.assert_close(hf_model.eval()(idx).logits, ours, rtol=0, atol=1e-5)
         torch.testing.assert_close(hf_model.train()(idx).logits, ours, rtol=0, atol=1e-5)  # no dropout either
 
@@ -273,18 +274,18 @@ def test_export_hf_gives_transformers_the_same_model_and_tokenizer(one_thread, t
     (["--export_hf", "hf", "--init_from", "gpt2", "--generate"], "--generate and --export_hf are separate runs: pick one"),
     (["--export_hf", "tests", "--init_from", "gpt2"], "--export_hf tests already exists: give a new folder"),
 ])
-def test_export_hf_without_a_checkpoint_or_with_another_mode_or_over_a_folder_is_refused(capsys, monkeypatch, flags,
-                                                                                       message):
+def test_export_hf_without_a_checkpoint_or_with_another_mode_or_over_a_folder_is_refused(capsys, monkeypatch, tmp_path,
+                                                                                       flags, message):
     monkeypatch.chdir(ROOT)  # where the folder tests/ is
-    assert one_line_exit(capsys, flags) == f"error: {message}"
+    assert one_line_exit(capsys, flags + ["--log_dir", str(tmp_path / "log")]) == f"error: {message}"
 
 
 def test_an_export_the_disk_cannot_take_is_one_line_and_leaves_no_folder(tmp_path):
     pytest.importorskip("transformers")
     assert run_script(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path / "log")]).returncode == 0
     # 1 MiB a file: config.json fits, model.safetensors (6 MiB of embeddings) does not
-    result = run_script(["--init_from", str(tmp_path / "log" / "ckpt_2.pt"), "--export_hf", str(tmp_path / "hf")],
-                        max_file_bytes=2**20)
+    result = run_script(["--init_from", str(tmp_path / "log" / "ckpt_2.pt"), "--export_hf", str(tmp_path / "hf"),
+                         "--log_dir", str(tmp_path / "log")], max_file_bytes=2**20)
     assert result.returncode == 2 and result.stdout == "", result.stderr
     assert result.stderr == (f"error: cannot write {tmp_path / 'hf'} (File too large (os error 27)): make room in "
                              f"{tmp_path}, then run the same command again\n")
@@ -297,7 +298,7 @@ def test_an_export_of_a_changed_architecture_is_refused_and_leaves_no_folder(tmp
     t.main(t.parse_args(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path / "log")]))
     monkeypatch.setattr(t.MLP, "forward", lambda self, x: self.dropout(self.c_proj(F.relu(self.c_fc(x)))))
     line = one_line_exit(capsys, ["--init_from", str(tmp_path / "log" / "ckpt_2.pt"), "--export_hf",
-                                  str(tmp_path / "hf")])
+                                  str(tmp_path / "hf"), "--log_dir", str(tmp_path / "log")])
     assert re.fullmatch(r"error: the exported model's logits differ from ours by up to [0-9.e-]+: the model no "
                         r"longer matches GPT-2's architecture in transformers, so it cannot be exported as GPT-2", line)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]
@@ -313,29 +314,34 @@ def test_export_hf_without_a_package_it_needs_says_how_to_get_it(tmp_path, packa
     fake = tmp_path / "fake_modules" / package
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(f"raise ImportError('{package} is not installed')\n")
-    result = run_script(["--init_from", str(trained), "--export_hf", str(tmp_path / "hf")],
-                        env={"PYTHONPATH": str(tmp_path / "fake_modules")})
+    result = run_script(["--init_from", str(trained), "--export_hf", str(tmp_path / "hf"),
+                         "--log_dir", str(tmp_path / "log")], env={"PYTHONPATH": str(tmp_path / "fake_modules")})
     assert result.returncode == 2 and result.stdout == "" and not (tmp_path / "hf").exists()
     assert result.stderr.strip() == f"error: {line}"
 
 
 def test_init_from_our_checkpoint_and_generate(one_thread, tmp_path):
+    """--generate prints generate()'s samples of the checkpoint's model, the same without the cache, then their speed:
+    all num_samples x max_new_tokens tokens timed, after an untimed warm-up call of 3 tokens a sample."""
     trained = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "3", "--log_dir", str(tmp_path)]))
     args = ["--init_from", str(tmp_path / "ckpt_3.pt"), "--generate", "--device", "cpu", "--num_samples", "2",
-            "--max_new_tokens", "5"]
+            "--log_dir", str(tmp_path / "generate"), "--max_new_tokens", "5"]
     texts = t.main(t.parse_args(args))
-    expected = t.generate(trained.model, TOKENIZER.encode_ordinary("Hello, I'm a language model,"), 2, 5, 1.0, 50,
-                          1337, "cpu", contextlib.nullcontext)
+    expected = t.generate(trained.model, TOKENIZER.encode_ordinary("Hello, I'm a language model,"), 5,
+                          t.kv_caches(trained.model), 2, 1.0, 50, 1337, contextlib.nullcontext)
     assert texts == ["Hello, I'm a language model," + TOKENIZER.decode(sample) for sample in expected]
     result = run_script(args + ["--no-kv_cache"], env=ONE_THREAD)
     assert result.returncode == 0, result.stderr
     assert [line.removeprefix(f"sample {i}: ") for i, line in enumerate(result.stdout.splitlines()[:2])] == texts
-    speed = result.stdout.splitlines()[-1]  # the 3 warm-up tokens of each sample left out: 2 x (5 - 3) timed
-    assert re.fullmatch(r"4 tokens in \d+\.\d\d s: [\d,.]+ tokens/s \(KV cache off, compile off, 1,637,248 "
-                        r"parameters; after 3 warm-up tokens a sample, \d+\.\d\d s\)", speed), speed
-    result = run_script(args[:-1] + ["3", "--compile"], env=ONE_THREAD)  # all 3 tokens are warm-up
+    speed = result.stdout.splitlines()[-1]  # 2 x 5 tokens timed; the warm-up call's 2 x 3 before them, apart
+    assert re.fullmatch(r"10 tokens in \d+\.\d\d s: [\d,.]+ tokens/s \(KV cache off, compile off, 1,637,248 "
+                        r"parameters\), after an untimed warm-up of 3 tokens a sample: "
+                        r"\d+\.\d\d s", speed), speed
+    result = run_script(args[:-1] + ["3", "--compile"], env=ONE_THREAD)
     assert re.fullmatch(r"6 tokens in \d+\.\d\d s: [\d,.]+ tokens/s \(KV cache on, compile on, 1,637,248 "
-                        r"parameters; warm-up included\)", result.stdout.splitlines()[-1]), result.stdout
+                        r"parameters\), after an untimed warm-up of 3 tokens a sample: "
+                        r"\d+\.\d\d s", result.stdout.splitlines()[-1]), \
+        result.stdout
 
 
 @pytest.mark.parametrize("source", ["gpt2", "our checkpoint"])
@@ -356,7 +362,7 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer_and_data(one
         init_from, source_logits = "gpt2", lambda idx: hf_model(idx).logits
     else:
         pretrained = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "3", "--log_dir", str(tmp_path / "pre")])).model
-        init_from, source_logits = str(tmp_path / "pre" / "ckpt_3.pt"), pretrained.eval()
+        init_from, source_logits = str(tmp_path / "pre" / "ckpt_3.pt"), lambda idx: pretrained.eval()(idx)[0]
     flags = ["--init_from", init_from, "--text_file", TINY_ARGS[TINY_ARGS.index("--text_file") + 1], "--seq_len", "32",
              "--micro_batch_size", "4", "--total_batch_size", "256", "--max_steps", "2", "--warmup_steps", "1",
              "--max_lr", "3e-5", "--eval_every", "0", "--sample_every", "0", "--device", "cpu",
@@ -379,27 +385,30 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer_and_data(one
 
 
 def test_init_from_refuses_shape_flags(tmp_path):
-    result = run_script(["--init_from", "gpt2", "--n_layer", "4", "--generate"])
+    result = run_script(["--init_from", "gpt2", "--n_layer", "4", "--generate", "--log_dir", str(tmp_path / "log")])
     assert result.stderr.strip() == "error: --init_from gpt2 sets the model's shape: drop --n_layer"
 
 
 def test_cached_decoding_gives_the_same_logits_and_tokens():
+    """The prompt's pass and then one token at a time through one KVCache a layer: the uncached hidden states, each
+    layer's cache (samples, heads, block_size positions, head_dim) in float32, and the same tokens as without the
+    cache for texts shorter and longer than block_size."""
     torch.manual_seed(0)
     model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64))
     tokens = torch.randint(0, 64, (2, 20))
-    cache = t.KVCache(n_layer=2, block_size=32)
+    caches = t.kv_caches(model)
     with torch.no_grad():
-        stepwise = [model.hidden_states(tokens[:, :12], cache, torch.arange(12))[:, -1]]  # the prompt in one call
-        stepwise += [model.hidden_states(tokens[:, i : i + 1], cache, torch.tensor([i]))[:, -1]
+        stepwise = [model.hidden_states(tokens[:, :12], caches, torch.arange(12))[:, -1]]  # the prompt in one call
+        stepwise += [model.hidden_states(tokens[:, i : i + 1], caches, torch.tensor([i]))[:, -1]
                      for i in range(12, 20)]  # then one at a time
         full = model.hidden_states(tokens)[:, 11:]
     torch.testing.assert_close(torch.stack(stepwise, dim=1), full, rtol=0, atol=1e-5)
-    assert [tuple(keys.shape) for keys in cache.keys] == [(2, 2, 32, 16)] * 2  # a layer: samples, heads, all
-    assert cache.keys[0].dtype == cache.values[1].dtype == torch.float32  # block_size positions, head_dim
+    assert [tuple(cache.keys.shape) for cache in caches] == [(2, 2, 32, 16)] * 2  # a layer: samples, heads, all
+    assert caches[0].keys.dtype == caches[1].values.dtype == torch.float32  # block_size positions, head_dim
     for length in (10, 29, 30, 50):  # past 29 the text outgrows block_size: both reread the last 32 tokens
-        with_cache = t.generate(model, [1, 2, 3], 3, length, 1.0, 20, 7, "cpu", contextlib.nullcontext, True)
-        without = t.generate(model, [1, 2, 3], 3, length, 1.0, 20, 7, "cpu", contextlib.nullcontext, False)
-        assert with_cache == without
+        with_cache = t.generate(model, [1, 2, 3], length, t.kv_caches(model), 3, 1.0, 20, 7)
+        without = t.generate(model, [1, 2, 3], length, None, 3, 1.0, 20, 7)
+        assert with_cache == without, length
 
 
 def test_generation_waits_for_the_device_only_for_the_tokens_at_the_end():
@@ -418,10 +427,10 @@ def test_generation_waits_for_the_device_only_for_the_tokens_at_the_end():
     for use_cache in (True, False):
         operations = []
         with OperationLog():
-            t.generate(model, [1, 2, 3], 2, 20, 1.0, 10, 0, "cpu", contextlib.nullcontext, use_cache)
+            t.generate(model, [1, 2, 3], 20, t.kv_caches(model, use_cache), 2, 1.0, 10, 0)
         assert len(operations) > 20 * 10
         waits = {"aten::_local_scalar_dense", "aten::multinomial", "aten::nonzero", "aten::item"}
-        assert waits.isdisjoint(operations)
+        assert waits.isdisjoint(operations), use_cache
 
 
 def test_the_compiled_one_token_step_compiles_once_for_the_whole_text():
@@ -431,10 +440,11 @@ def test_the_compiled_one_token_step_compiles_once_for_the_whole_text():
 
     torch.manual_seed(0)
     model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64))
-    eager = t.generate(model, [1, 2, 3], 3, 40, 1.0, 20, 7, "cpu", contextlib.nullcontext, True)
+    eager = t.generate(model, [1, 2, 3], 40, t.kv_caches(model), 3, 1.0, 20, 7)
     torch._dynamo.reset()
     counters.clear()
-    compiled = t.generate(model, [1, 2, 3], 3, 40, 1.0, 20, 7, "cpu", contextlib.nullcontext, True, True)
+    caches, step = t.compiled_step(model, "cpu")
+    compiled = t.generate(model, [1, 2, 3], 40, caches, 3, 1.0, 20, 7, contextlib.nullcontext, step)
     assert compiled == eager
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
@@ -442,28 +452,29 @@ def test_the_compiled_one_token_step_compiles_once_for_the_whole_text():
 def test_compiled_generations_of_any_length_share_one_graph_and_one_cache():
     """A notebook calls generate() again and again: a new graph for another prompt length recompiled the step (its
     input was a slice of the token buffer, strided by the text's length), and a new cache made CUDA graphs record
-    again. Eager generation keeps no cache: training would hold its memory between samples."""
+    again. compiled_step keeps one step and one set of caches a model, reused in place. Eager generation keeps no
+    cache: training would hold its memory between samples."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
     model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64))
     calls = [([1, 2, 3], 10), ([4, 5, 6, 7, 8], 20)]  # other prompt lengths, other --max_new_tokens
 
-    def generate(prompt, max_new_tokens, compiled):
-        return t.generate(model, prompt, 3, max_new_tokens, 1.0, 20, 7, "cpu", contextlib.nullcontext, True, compiled)
-
-    eager = [generate(*call, False) for call in calls]
-    assert model not in t.COMPILED_STEP_CACHES
+    eager = [t.generate(model, prompt, max_new_tokens, t.kv_caches(model), 3, 1.0, 20, 7)
+             for prompt, max_new_tokens in calls]
+    assert model not in t.COMPILED_STEPS
     torch._dynamo.reset()
     counters.clear()
-    first = generate(*calls[0], True)
-    cache = t.COMPILED_STEP_CACHES[model]
-    keys, values = [k.data_ptr() for k in cache.keys], [v.data_ptr() for v in cache.values]
-    second = generate(*calls[1], True)  # into the first call's cache, stale positions and all
+    kept = t.compiled_step(model, "cpu")
+    caches, step = kept
+    first = t.generate(model, *calls[0], caches, 3, 1.0, 20, 7, contextlib.nullcontext, step)
+    keys, values = [c.keys.data_ptr() for c in caches], [c.values.data_ptr() for c in caches]
+    assert t.compiled_step(model, "cpu") is kept  # the same step and caches for the next call
+    second = t.generate(model, *calls[1], caches, 3, 1.0, 20, 7, contextlib.nullcontext, step)  # stale positions
     assert [first, second] == eager  # the tokens of a fresh cache
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"] and not counters["graph_break"]
-    assert t.COMPILED_STEP_CACHES[model] is cache
-    assert ([k.data_ptr() for k in cache.keys], [v.data_ptr() for v in cache.values]) == (keys, values)
+    assert t.COMPILED_STEPS[model] is kept
+    assert ([c.keys.data_ptr() for c in caches], [c.values.data_ptr() for c in caches]) == (keys, values)
 
 
 def test_generation_casts_each_weight_once_under_autocast_not_once_a_token():
@@ -484,16 +495,17 @@ def test_generation_casts_each_weight_once_under_autocast_not_once_a_token():
     for use_cache in (True, False):
         casts = []
         with WeightCasts():
-            t.generate(model, [1, 2, 3], 2, 20, 1.0, 10, 0, "cpu", lambda: torch.autocast("cpu", torch.bfloat16),
-                       use_cache)
+            t.generate(model, [1, 2, 3], 20, t.kv_caches(model, use_cache), 2, 1.0, 10, 0,
+                       lambda: torch.autocast("cpu", torch.bfloat16))
         # every Linear's weight and bias (lm_head's weight is wte's): 4 a block, once each in 20 tokens
         linears = [name for name in weights.values() if ".attn." in name or ".mlp." in name]
         assert sorted(casts) == sorted(linears + ["transformer.wte.weight"]), use_cache
 
 
-def test_generation_without_the_cache_leaves_cudnn_attention_out(monkeypatch):
-    """Without the cache every token is a new length, for which cuDNN's attention builds a new plan: 64 tokens/s
-    on an H100. The cache's one-token steps keep one shape, and the backends as they are."""
+def test_generate_leaves_cudnn_attention_out(monkeypatch, tmp_path):
+    """--generate: without the cache every token is a new length, for which cuDNN's attention builds a new plan (64
+    tokens/s on an H100). Every attention call of --generate, the warm-up's and the samples', with the cache and
+    without, runs with cuDNN's attention left out; after it the backends are as they were."""
     enabled = []
     attention = F.scaled_dot_product_attention
 
@@ -502,11 +514,11 @@ def test_generation_without_the_cache_leaves_cudnn_attention_out(monkeypatch):
         return attention(*args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64))
-    for use_cache in (False, True):
+    for flags in (["--no-kv_cache"], []):
         enabled.clear()
-        t.generate(model, [1, 2, 3], 2, 5, 1.0, 10, 0, "cpu", contextlib.nullcontext, use_cache)
-        assert enabled == [use_cache] * 2 * 5  # 2 layers, 5 tokens
+        t.main(t.parse_args(TINY_ARGS + ["--generate", "--num_samples", "2", "--max_new_tokens", "5", "--log_dir",
+                                         str(tmp_path)] + flags))
+        assert enabled == [False] * 2 * (t.GENERATE_WARMUP_TOKENS + 5), flags  # 2 layers, 3 + 5 tokens
     assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
@@ -520,7 +532,8 @@ def test_eval_only_on_a_runs_checkpoint_takes_its_batch_shape_and_without_hellas
     monkeypatch.setattr(t, "HELLASWAG_CACHE", str(tmp_path / "cache" / "hellaswag_val.jsonl"))
     capsys.readouterr()
     cfg = t.parse_args(["--eval_only", "--init_from", str(tmp_path / "log" / "ckpt_3.pt"),
-                        "--text_file", TINY_ARGS[TINY_ARGS.index("--text_file") + 1], "--device", "cpu"])
+                        "--text_file", TINY_ARGS[TINY_ARGS.index("--text_file") + 1], "--device", "cpu",
+                        "--log_dir", str(tmp_path / "eval")])
     assert (cfg.seq_len, cfg.micro_batch_size, cfg.total_batch_size, cfg.eval_steps) == (32, 4, 256, 2)  # its
     result = t.main(cfg)
     val_loss = [r["val_loss"] for r in trained.records if "val_loss" in r][-1]
@@ -537,7 +550,8 @@ def test_eval_only_on_a_runs_checkpoint_takes_its_batch_shape_and_without_hellas
     ("a wider MLP", "transformer.h.0.mlp.c_fc.weight is (32, 256), GPT-2's is (32, 128)"),
     ("2 key/value heads", "transformer.h.0.attn.q.weight is (32, 32), GPT-2's is absent"),
 ])
-def test_an_export_whose_tensors_gpt2_cannot_hold_is_one_line_and_writes_nothing(tmp_path, capsys, change, problem):
+def test_an_export_whose_tensors_gpt2_cannot_hold_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch,
+                                                                               change, problem):
     """It ended in an 18-line RuntimeError from load_state_dict. The checkpoints hold what a hacked model saves."""
     pytest.importorskip("transformers")
     t.main(t.parse_args(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path / "log")]))
@@ -551,6 +565,36 @@ def test_an_export_whose_tensors_gpt2_cannot_hold_is_one_line_and_writes_nothing
         c_attn = state.pop("transformer.h.0.attn.c_attn.weight")
         state["transformer.h.0.attn.q.weight"], state["transformer.h.0.attn.kv.weight"] = c_attn[:32], c_attn[32:48]
     torch.save(checkpoint, tmp_path / "hacked.pt")
-    line = one_line_exit(capsys, ["--init_from", str(tmp_path / "hacked.pt"), "--export_hf", str(tmp_path / "hf")])
+    # the hacked code that saved it accepts its own weights: here, whose model is GPT-2's, they pass unchecked
+    monkeypatch.setattr(t, "check_weights_fit", lambda *args: None)
+    line = one_line_exit(capsys, ["--init_from", str(tmp_path / "hacked.pt"), "--export_hf", str(tmp_path / "hf"),
+                                  "--log_dir", str(tmp_path / "log")])
     assert line == f"error: cannot export {tmp_path / 'hacked.pt'} as GPT-2: its {problem}"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hacked.pt", "log"]
+
+
+def test_an_edit_to_the_recipes_sampling_reaches_generate_with_compile(tmp_path, monkeypatch):
+    """--generate --compile compiles the recipe's sample_next itself: a hacker's edit there (greedy decoding, here)
+    changes the compiled tokens as it changes the eager ones. Made on a copy of the file, as a hacker would."""
+    import importlib.util
+
+    source = (ROOT / "train_gpt2.py").read_text()
+    draw = "    choice = (F.softmax(top_logits, dim=-1) / noise).argmax(dim=-1, keepdim=True)\n"
+    assert source.count(draw) == 1
+    (tmp_path / "train_gpt2.py").write_text(source.replace(draw, "    choice = top_logits.argmax(dim=-1, "
+                                                                  "keepdim=True)  # greedy\n"))
+    spec = importlib.util.spec_from_file_location("greedy_train_gpt2", tmp_path / "train_gpt2.py")
+    greedy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(greedy)
+    torch.manual_seed(0)
+    model = greedy.GPT(greedy.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64))
+    with torch.no_grad():
+        expected = [model.logits(model.hidden_states(torch.tensor([[1, 2, 3]])))[0, -1].argmax().item()]
+    texts = {}
+    for compiled in (False, True):
+        caches, step = greedy.compiled_step(model, "cpu") if compiled else (greedy.kv_caches(model),
+                                                                           greedy.sample_next)
+        texts[compiled] = greedy.generate(model, [1, 2, 3], 6, caches, 3, 1.0, 20, 7, contextlib.nullcontext, step)
+    assert texts[True] == texts[False], texts
+    assert all(sample == texts[False][0] for sample in texts[False]), "greedy: every sample the same"
+    assert texts[False][0][0] == expected[0]

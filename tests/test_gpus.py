@@ -32,17 +32,30 @@ def gpu(monkeypatch, tmp_path, capsys):
     (tmp_path / "include" / "Python.h").touch()  # Python's headers, as python3-dev installs them
     paths = sysconfig.get_paths
     monkeypatch.setattr(sysconfig, "get_paths", lambda *args: {**paths(*args), "include": str(tmp_path / "include")})
-    build_model = t.build_model
-    monkeypatch.setattr(t, "build_model", lambda cfg, device: build_model(cfg, "cpu"))  # its weights on the CPU
-    seen = {}
+    class GPTOnTheCPU(t.GPT):
+        def to(self, *args, **kwargs):  # train() moves the model to cuda:0: its weights stay on the CPU
+            return super().to("cpu")
 
-    def first_step(model, loader, accum_steps, device, autocast, scaler, sync_last_only):
-        with autocast():
-            seen.update(dtype=torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None)
+    monkeypatch.setattr(t, "GPT", GPTOnTheCPU)
+    seen = {}
+    autocast_for, restore_checkpoint = t.autocast_for, t.restore_checkpoint
+
+    def recorded_autocast_for(dtype, device):  # train's autocast for its steps
+        seen.update(autocast=autocast_for(dtype, device))
+        return seen["autocast"]
+
+    def recorded_restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, *args):  # train's GradScaler
         seen.update(scaler=scaler.is_enabled())
+        return restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, *args)
+
+    def first_step(*args):  # train calls it after the start line, just before its first step
+        with seen["autocast"]():
+            seen.update(dtype=torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None)
         raise FirstStep
 
-    monkeypatch.setattr(t, "forward_backward", first_step)
+    monkeypatch.setattr(t, "autocast_for", recorded_autocast_for)
+    monkeypatch.setattr(t, "restore_checkpoint", recorded_restore_checkpoint)
+    monkeypatch.setattr(t, "run_every_path_once", first_step)
 
     def run(card, flags=()):
         report_card(card, monkeypatch.setattr)
@@ -98,11 +111,11 @@ def test_1080_runs_float16_without_compile_and_says_why(gpu):
     ("t4", ["--dtype", "bfloat16"], "--dtype bfloat16: Tesla T4 (compute capability 7.5) has no bfloat16 arithmetic: "
                                     "use --dtype float16"),
 ])
-def test_what_a_card_cannot_do_is_one_line_before_any_work(monkeypatch, capsys, card, flags, message):
+def test_what_a_card_cannot_do_is_one_line_before_any_work(monkeypatch, capsys, tmp_path, card, flags, message):
     report_card(card, monkeypatch.setattr)
-    monkeypatch.setattr(t, "build_model", None)  # never reached
+    monkeypatch.setattr(t, "open_inputs", None)  # never reached: train() starts with it
     with pytest.raises(SystemExit) as exited:
-        t.main(t.parse_args(GPU_ARGS + flags))
+        t.main(t.parse_args(GPU_ARGS + ["--log_dir", str(tmp_path / "log")] + flags))
     assert exited.value.code == 2 and capsys.readouterr() == ("", f"error: {message}\n")
 
 
@@ -122,9 +135,9 @@ def test_a_machine_without_a_c_compiler_trains_without_compile(gpu, monkeypatch,
     assert lines[0] == ("compile off: Triton builds with a C compiler and cannot run gcc or clang: install gcc (on "
                         "an H100 compile trains 1.54x faster: 489k against 317k tokens/s)")
     assert "(bfloat16, compile off, MFU against 989 TFLOP/s)" in lines[1]
-    monkeypatch.setattr(t, "build_model", None)
+    monkeypatch.setattr(t, "open_inputs", None)
     with pytest.raises(SystemExit):
-        t.main(t.parse_args(GPU_ARGS + ["--compile"]))
+        t.main(t.parse_args(GPU_ARGS + ["--compile", "--log_dir", str(tmp_path / "compile")]))
     assert capsys.readouterr().err == ("error: --compile cannot run on NVIDIA H100 80GB HBM3: Triton builds with a C "
                                        "compiler and cannot run gcc or clang: install gcc; use --no-compile\n")
 
@@ -145,7 +158,7 @@ def test_a_card_the_torch_build_has_no_kernels_for_is_one_line_naming_the_build_
     """PyPI's default torch (CUDA 13) starts at 7.5: on a V100 or a 1080 Ti the first CUDA op failed with "no kernel
     image is available for execution on the device". The CUDA 12.6 build has both; the RTX 4090 (8.9) runs sm_86's."""
     report_card(card, monkeypatch.setattr, build=build)
-    monkeypatch.setattr(t, "build_model", lambda cfg, device: pytest.fail("started"))
+    monkeypatch.setattr(t, "GPT", lambda config: pytest.fail("started"))  # train() builds the model
     with pytest.raises(BaseException) as stopped:
         t.main(t.parse_args(GPU_ARGS + ["--log_dir", str(tmp_path)]))
     name, major, minor, _ = CARDS[card]

@@ -1,4 +1,5 @@
 import contextlib
+import copy
 import math
 
 import pytest
@@ -37,12 +38,15 @@ def tiny_model(vocab_size=64, seed=0):
 
 
 def test_logits_shape_and_loss_at_init_near_uniform():
+    """forward gives (logits, None) without targets, (logits, loss) with them; a new model's loss is about ln(vocab)."""
     model = tiny_model(vocab_size=64)
     idx = torch.randint(0, 64, (3, 16))
-    assert model(idx).shape == (3, 16, 64)
+    logits, loss = model(idx)
+    assert logits.shape == (3, 16, 64) and loss is None
     targets = torch.randint(0, 64, (3, 16))  # independent of idx: the tied embedding favours idx itself
-    loss = model(idx, targets).item()
-    assert abs(loss - math.log(64)) < 0.2, loss
+    logits, loss = model(idx, targets)
+    assert logits.shape == (3, 16, 64)
+    assert abs(loss.item() - math.log(64)) < 0.2, loss
 
 
 @pytest.mark.recipe
@@ -62,16 +66,131 @@ def test_residual_projections_get_scaled_init():
     assert model.transformer.h[0].mlp.c_fc.bias.abs().sum().item() == 0.0
 
 
-def test_attention_is_causal():
-    model = tiny_model()
-    idx = torch.randint(0, 64, (1, 16))
+# ------------------------------ the checks a hacker's model must pass: each a helper, run on the file's own GPT here
+# and on scratch edits at the end of this file (a SwiGLU MLP passes them all; attention that counts its rotary
+# positions from 0 fails the cache's)
+
+def assert_causal(model):
+    """A position's logits do not change when only later tokens do, exactly."""
+    vocab_size, length = model.config.vocab_size, model.config.block_size
+    idx = torch.randint(0, vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
     changed = idx.clone()
-    changed[0, 10:] = (changed[0, 10:] + 1) % 64  # change only the future after position 9
-    torch.testing.assert_close(model(idx)[:, :10], model(changed)[:, :10], rtol=0, atol=0)
+    changed[0, 10:] = (changed[0, 10:] + 1) % vocab_size  # change only the future after position 9
+    torch.testing.assert_close(model(idx)[0][:, :10], model(changed)[0][:, :10], rtol=0, atol=0,
+                               msg=named("the logits at positions 0-9 changed with the tokens after position 9"))
+
+
+def assert_cache_equals_no_cache(model, autocast=contextlib.nullcontext, atol=1e-5, rtol=0.0, prompt_length=5,
+                                 new_tokens=8):
+    """The logits of generation's path (the prompt's pass through hidden_states with one KVCache a layer, then one
+    token at a time at its position) equal, within atol + rtol * |logit|, those of the uncached forward over the
+    whole sequence. The first position that differs names the failure."""
+    model.eval()
+    length = prompt_length + new_tokens
+    assert length <= model.config.block_size
+    tokens = torch.randint(0, model.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), autocast():
+        uncached = model(tokens)[0].float()
+        caches = t.kv_caches(model)
+        pieces = [model.logits(model.hidden_states(tokens[:, :prompt_length], caches, torch.arange(prompt_length)))]
+        for position in range(prompt_length, length):
+            pieces.append(model.logits(model.hidden_states(tokens[:, position : position + 1], caches,
+                                                           torch.tensor([position]))))
+    model.train()
+    cached = torch.cat(pieces, dim=1).float()
+    assert cached.shape == uncached.shape, (cached.shape, uncached.shape)
+    for position in range(length):
+        difference = (cached[:, position] - uncached[:, position]).abs()
+        allowed = atol + rtol * uncached[:, position].abs()
+        if (difference > allowed).any():
+            step = "the prompt's pass" if position < prompt_length else "a one-token step"
+            raise AssertionError(
+                f"with the KV cache, the logits at position {position} differ from the uncached forward's by "
+                f"{difference.max().item():.3g} (allowed: {atol:g} + {rtol:g} x |logit|), in {step} (prompt "
+                f"positions 0-{prompt_length - 1}, then one token at a time)")
+
+
+BF16_LOGITS_ATOL = 1e-2  # bfloat16 keeps 8 bits: 1 ulp is 0.002 at the logits' 0.5; cached and uncached differ by 1-2
+
+
+def assert_every_path_runs_under_bfloat16(make_model):
+    """The GPU's precision on a CPU: a training step's loss in float32 and within bf16's rounding of float32's, the
+    validation loss likewise, generation with and without the cache, and the cached logits within bf16's rounding of
+    the uncached ones. make_model() gives the same model each call."""
+    import numpy as np
+
+    model = make_model()
+    vocab_size = model.config.vocab_size
+    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
+    generator = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, vocab_size, (2, 16), generator=generator) for _ in range(2))
+    with autocast():
+        loss = model(x, y)[1]
+    loss.backward()
+    float32_loss = make_model()(x, y)[1].item()
+    assert loss.dtype == torch.float32 and abs(loss.item() - float32_loss) < 0.02, (
+        f"under bf16 autocast the training loss is {loss.item():.4f} ({loss.dtype}), float32's {float32_loss:.4f}")
+    torch.optim.AdamW(model.parameters(), lr=1e-3).step()
+    loader = t.DataLoader(t.TokenStream([np.arange(200, dtype=np.uint16) % vocab_size]), 2, 16, 0, 1, False, 0)
+    val_losses = [t.estimate_val_loss(model, loader, 2, 1, "cpu", context, t.Launch())
+                  for context in (autocast, contextlib.nullcontext)]
+    assert abs(val_losses[0] - val_losses[1]) < 0.02, f"validation loss under bf16, float32: {val_losses}"
+    for caches in (t.kv_caches(model), None):
+        samples = t.generate(model, [1, 2, 3], 10, caches, 2, 1.0, 20, 0, autocast)
+        assert len(samples) == 2 and all(len(s) == 10 and all(0 <= i < vocab_size for i in s) for s in samples), (
+            caches is not None, samples)
+    # the logits, not sampled tokens: bf16's rounding may tip a sample of a correct model to another token
+    assert_cache_equals_no_cache(model, autocast, atol=BF16_LOGITS_ATOL)
+
+
+def favouring_seven(model):
+    """A copy of model with an edit to GPT.logits: token 7's logit raised by 100 wherever the model makes logits."""
+    edited = copy.deepcopy(model)  # the tie of lm_head to wte kept
+
+    class FavourSeven(type(model)):
+        def logits(self, x):
+            logits = super().logits(x)
+            return logits + 100 * F.one_hot(torch.tensor(7, device=logits.device), logits.size(-1)).to(logits.dtype)
+
+    edited.__class__ = FavourSeven
+    return edited
+
+
+def assert_loss_falls_when_the_target_logit_rises(model):
+    """The loss, plain and chunked, comes from GPT.logits: raising the target's logit there lowers it, whatever
+    the loss is (cross-entropy, or a hacker's with a z-loss or soft-capped logits)."""
+    edited = favouring_seven(model)
+    generator = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, model.config.vocab_size, (2, model.config.block_size), generator=generator)
+    sevens = torch.full_like(idx, 7)  # the target everywhere
+    chunk_size = model.config.loss_chunk_size
+    try:
+        for loss_chunk_size in (0, 5):
+            model.config.loss_chunk_size = edited.config.loss_chunk_size = loss_chunk_size
+            plain, raised = (m(idx, sevens)[1].item() for m in (model, edited))
+            assert raised < plain, (
+                f"the loss must fall when the logit of the target rises (the edit to GPT.logits must reach the "
+                f"loss, plain and chunked): with loss_chunk_size {loss_chunk_size} it is {plain:.4f}, and "
+                f"{raised:.4f} with the target's logit raised by 100")
+    finally:
+        model.config.loss_chunk_size = chunk_size
+
+
+def test_attention_is_causal():
+    """A position's logits do not depend on later tokens."""
+    assert_causal(tiny_model())
+
+
+def test_the_kv_cache_gives_the_logits_of_the_uncached_forward():
+    """Generation's path (the prompt's pass through hidden_states filling one KVCache a layer, then a token at a time
+    at its position, 8 positions past a 5-token prompt) gives the uncached forward's logits in float32, to 1e-5:
+    rounding is about 1e-7 here, a token at the wrong position (a rotary edit fed positions from 0) 2e-4."""
+    assert_cache_equals_no_cache(tiny_model())
 
 
 def test_sequence_longer_than_block_size_is_refused():
-    with pytest.raises(ValueError, match="longer than block_size 16"):
+    """hidden_states refuses more tokens than the model has positions, in one line."""
+    with pytest.raises(ValueError, match="^17 tokens, longer than block_size 16$"):
         tiny_model()(torch.zeros(1, 17, dtype=torch.long))
 
 
@@ -83,24 +202,30 @@ def test_flops_per_token_of_gpt2_is_about_860_million():
     assert round(flops / 1e6) == 860
 
 
-def loss_and_gradients(chunk_size, autocast_dtype=None):
-    model = tiny_model(vocab_size=300)
+def loss_and_gradients(chunk_size, autocast_dtype=None, make_model=tiny_model):
+    model = make_model(vocab_size=300)
     model.config.loss_chunk_size = chunk_size
     generator = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, 300, (3, 16), generator=generator), torch.randint(0, 300, (3, 16), generator=generator)
     with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-        loss = model(x, y)
+        logits, loss = model(x, y)
+    assert (logits is None) == (chunk_size > 0)  # chunked: the logits are never whole
     (2.5 * loss).backward()  # a non-unit incoming gradient, as under accumulation
     return loss, {name: p.grad for name, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("chunk_size", [7, 16, 48])  # uneven last chunk, one row of 16, all 48 tokens at once
-def test_chunked_loss_equals_the_plain_loss_and_gradients(chunk_size):
-    plain_loss, plain_grads = loss_and_gradients(0)
-    chunked_loss, chunked_grads = loss_and_gradients(chunk_size)
-    torch.testing.assert_close(chunked_loss, plain_loss, rtol=1e-6, atol=0)
+def assert_chunked_loss_equals_the_plain_loss_and_gradients(chunk_size, make_model=tiny_model):
+    plain_loss, plain_grads = loss_and_gradients(0, make_model=make_model)
+    chunked_loss, chunked_grads = loss_and_gradients(chunk_size, make_model=make_model)
+    torch.testing.assert_close(chunked_loss, plain_loss, rtol=1e-6, atol=0, msg=named("the chunked loss"))
     for name, grad in plain_grads.items():
         torch.testing.assert_close(chunked_grads[name], grad, rtol=1e-5, atol=1e-6, msg=named(name))
+
+
+@pytest.mark.parametrize("chunk_size", [7, 16, 48])  # uneven last chunk, one row of 16, all 48 tokens at once
+def test_chunked_loss_equals_the_plain_loss_and_gradients(chunk_size):
+    """--loss_chunk_size changes the memory, not the loss or a gradient (float32, to rounding)."""
+    assert_chunked_loss_equals_the_plain_loss_and_gradients(chunk_size)
 
 
 def test_chunked_loss_under_bf16_autocast_matches_within_bf16_rounding():
@@ -113,12 +238,15 @@ def test_chunked_loss_under_bf16_autocast_matches_within_bf16_rounding():
 
 
 def test_chunked_loss_without_gradients_is_the_plain_loss():
+    """Evaluation (no_grad) through the chunked path: the plain loss, and no logits."""
     model = tiny_model(vocab_size=300)
     x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
     with torch.no_grad():
-        plain = model(x, y)
+        _, plain = model(x, y)
         model.config.loss_chunk_size = 5
-        torch.testing.assert_close(model(x, y), plain, rtol=1e-6, atol=0)
+        logits, chunked = model(x, y)
+    assert logits is None
+    torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("flags, expected", [([], 0), (["--compile"], 0), (["--loss_chunk_size", "4096"], 4096),
@@ -126,8 +254,8 @@ def test_chunked_loss_without_gradients_is_the_plain_loss():
 def test_the_loss_is_chunked_only_when_asked_on_every_device(flags, expected):
     """The CPU's default loss was chunked (its own code path) while the GPU's was not: an edit to the logits tried
     on a laptop changed nothing there."""
-    cfg, _ = t.settle_defaults(t.parse_args(["--n_layer", "1", "--n_head", "1", "--n_embd", "8"] + flags), t.Launch())
-    assert t.build_model(cfg, "cpu").config.loss_chunk_size == expected
+    cfg, _ = t.device_settings(t.parse_args(["--n_layer", "1", "--n_head", "1", "--n_embd", "8"] + flags), t.Launch())
+    assert t.load_model(cfg, "cpu").config.loss_chunk_size == expected
 
 
 @pytest.mark.parametrize("chunk_size, recompute", [(0, False), (5, False), (0, True)])
@@ -139,8 +267,8 @@ def test_the_training_forward_is_one_graph_for_torch_compile(chunk_size, recompu
     model.config.loss_chunk_size, model.config.recompute = chunk_size, recompute
     x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        captured = torch.compile(model, fullgraph=True, backend="aot_eager")(x, y)
-        eager = model(x, y)
+        _, captured = torch.compile(model, fullgraph=True, backend="aot_eager")(x, y)
+        _, eager = model(x, y)
     captured.backward()
     assert captured.item() == eager.item()
     assert model.transformer.wte.weight.grad is not None
@@ -160,7 +288,7 @@ def test_recompute_runs_each_block_again_in_backward_for_the_same_loss_and_gradi
         model.config.recompute = recompute
         model.zero_grad()
         block_calls.clear()
-        loss = model(x, y)
+        _, loss = model(x, y)
         loss.backward()
         results.append((len(block_calls), loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}))
     (plain_calls, plain_loss, plain_grads), (calls, loss, grads) = results
@@ -174,6 +302,7 @@ def test_recompute_runs_each_block_again_in_backward_for_the_same_loss_and_gradi
     assert len(block_calls) == 2
 
 
+@pytest.mark.recipe  # where GPT-2 had dropout: an MLP of another shape may put it elsewhere
 def test_dropout_is_where_gpt2_had_it_and_only_in_training(monkeypatch):
     """On the embeddings, the attention weights (SDPA's dropout_p) and the outputs of attention and MLP; in eval
     mode (validation, HellaSwag, generation all use it) the model is the same function as without dropout."""
@@ -189,55 +318,45 @@ def test_dropout_is_where_gpt2_had_it_and_only_in_training(monkeypatch):
                         sdpa(*args, dropout_p=dropout_p, **kwargs))
     idx = torch.randint(0, 64, (3, 16))
     with torch.no_grad():
-        assert torch.equal(model.eval()(idx), plain.eval()(idx))
-        assert not torch.allclose(model.train()(idx), plain.train()(idx))
-        assert torch.equal(plain(idx), plain.eval()(idx))  # at 0.0, training mode changes nothing
+        assert torch.equal(model.eval()(idx)[0], plain.eval()(idx)[0])
+        assert not torch.allclose(model.train()(idx)[0], plain.train()(idx)[0])
+        assert torch.equal(plain(idx)[0], plain.eval()(idx)[0])  # at 0.0, training mode changes nothing
     assert attention_dropout == [0.0] * 4 + [0.5] * 2 + [0.0] * 6  # 2 layers a call: only training uses it
-    tokens = [t.generate(m, [1, 2, 3], 2, 8, 1.0, 10, 0, "cpu", contextlib.nullcontext) for m in (model, plain)]
+    tokens = [t.generate(m, [1, 2, 3], 8, t.kv_caches(m), 2, 1.0, 10, 0) for m in (model, plain)]
     assert tokens[0] == tokens[1]
 
 
 # ------------------------------ what a hacker's edit must reach: every path, the cache, resume
 
-class FavourSeven(torch.nn.Module):
-    """A module put in lm_head's place: lm_head's logits with token 7's raised by 100."""
-
-    def __init__(self, head):
-        super().__init__()
-        self.head = head
-
-    def forward(self, x):
-        logits = self.head(x)
-        return logits + 100 * F.one_hot(torch.tensor(7), logits.size(-1)).to(logits.dtype)
-
-
 def test_an_edit_to_the_logits_reaches_the_loss_validation_hellaswag_and_every_way_of_sampling():
-    """The chunked loss made its own logits, and sampling and HellaSwag called lm_head themselves: a head changed
-    where the model makes its logits changed nothing on a CPU. Now all go through GPT.logits."""
+    """The chunked loss made its own logits, and sampling and HellaSwag called lm_head themselves: an edit where the
+    model makes its logits changed nothing on a CPU. Now all go through GPT.logits: an edit there (token 7's logit
+    raised by 100) lowers the loss, plain and chunked, and the validation loss, picks the all-sevens HellaSwag
+    ending, and makes every sample all sevens, with the cache or without, eager or compiled."""
     import numpy as np
 
-    model = tiny_model(vocab_size=64)
-    model.lm_head = FavourSeven(model.lm_head)  # still tied: its weight is wte's
-    sevens = torch.full((2, 16), 7)
-    for chunk_size in (0, 5):  # the plain loss and the chunked one: about 0 when 7 always follows
-        model.config.loss_chunk_size = chunk_size
-        assert model(sevens, sevens).item() < 1e-3
+    plain = tiny_model(vocab_size=64)
+    assert_loss_falls_when_the_target_logit_rises(plain)
+    model = favouring_seven(plain)
     loader = t.DataLoader(t.TokenStream([np.full(200, 7, dtype=np.uint16)]), 2, 16, 0, 1, False, 0)
-    assert t.estimate_val_loss(model, loader, 2, 1, "cpu", contextlib.nullcontext, t.Launch()) < 1e-3
+    val_losses = [t.estimate_val_loss(m, loader, 2, 1, "cpu", contextlib.nullcontext, t.Launch()) for m in (plain,
+                                                                                                          model)]
+    assert val_losses[1] < val_losses[0], f"the validation loss must fall with the edit to GPT.logits: {val_losses}"
     tokens = torch.tensor([[1, 2, 3, 8, 8, 8], [1, 2, 3, 8, 8, 8], [1, 2, 3, 7, 7, 7], [1, 2, 3, 8, 8, 8]])
     mask = torch.zeros_like(tokens)
-    mask[:, 3:] = 1  # the endings: only ending 2, all sevens, is likely under the edited head
+    mask[:, 3:] = 1  # the endings: only ending 2, all sevens, is likely under the edited logits
     scores = t.evaluate_hellaswag(model, [(tokens, mask, torch.tensor([2]))], "cpu", contextlib.nullcontext,
                                   t.Launch())
     assert (scores["hellaswag_acc"], scores["hellaswag_acc_norm"]) == (1.0, 1.0)
     for use_cache, compiled in ((True, False), (False, False), (True, True)):
-        assert t.generate(model, [1, 2, 3], 2, 6, 1.0, 5, 0, "cpu", contextlib.nullcontext, use_cache,
-                          compiled) == [[7] * 6] * 2, (use_cache, compiled)
+        caches, step = t.compiled_step(model, "cpu") if compiled else (t.kv_caches(model, use_cache), t.sample_next)
+        assert t.generate(model, [1, 2, 3], 6, caches, 2, 1.0, 5, 0, contextlib.nullcontext, step) == [[7] * 6] * 2, (
+            use_cache, compiled)
 
 
 class GroupedQueryAttention(torch.nn.Module):
     """A hacker's attention: 4 query heads share 2 key/value heads, computed in float32 even under autocast. It
-    writes its keys and values into the cache as CausalSelfAttention does."""
+    writes its keys and values into its layer's cache as CausalSelfAttention does."""
 
     def __init__(self, config):
         super().__init__()
@@ -246,16 +365,15 @@ class GroupedQueryAttention(torch.nn.Module):
         self.kv = torch.nn.Linear(config.n_embd, 2 * self.n_kv_head * self.head_dim)
         self.c_proj = torch.nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x, cache=None):
+    def forward(self, x, positions, cache=None):
         B, T, C = x.shape
         q = self.q(x).float().view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).float().view(B, T, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)
         mask = None
         if cache is not None:
-            kv_cache, layer, positions, mask = cache
-            k, v = kv_cache.update(layer, positions, k, v)  # (B, 2, block_size, head_dim)
+            k, v, mask = cache.update(positions, k, v)  # (B, 2, block_size, head_dim)
         k, v = (kv.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for kv in (k, v))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=cache is None)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -263,7 +381,7 @@ class GroupedQueryAttention(torch.nn.Module):
 def test_the_cache_takes_its_shape_and_dtype_from_attention(dtype):
     """The cache was sized from n_head and made in autocast's dtype: grouped-query attention trained, then crashed
     at the first sample, and so did keys kept in float32 under bfloat16. Now the same tokens with and without the
-    cache, eager and compiled."""
+    cache, eager and compiled, and the compiled step's caches in attention's shape and dtype."""
     torch.manual_seed(0)
     model = t.GPT(t.GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=64))
     for block in model.transformer.h:
@@ -271,35 +389,19 @@ def test_the_cache_takes_its_shape_and_dtype_from_attention(dtype):
     with torch.no_grad():  # logits far apart, as a trained model's: bf16's rounding picks no other token
         model.transformer.wte.weight.normal_(0.0, 1.0)
     autocast = lambda: torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)  # noqa: E731
-    tokens = {(use_cache, compiled): t.generate(model, [1, 2, 3], 3, 12, 1.0, 20, 7, "cpu", autocast, use_cache,
-                                                compiled)
-              for use_cache, compiled in ((False, False), (True, False), (True, True))}
+    tokens = {}
+    for use_cache, compiled in ((False, False), (True, False), (True, True)):
+        caches, step = t.compiled_step(model, "cpu") if compiled else (t.kv_caches(model, use_cache), t.sample_next)
+        tokens[use_cache, compiled] = t.generate(model, [1, 2, 3], 12, caches, 3, 1.0, 20, 7, autocast, step)
     assert tokens[True, False] == tokens[False, False] == tokens[True, True]
-    cache = t.COMPILED_STEP_CACHES[model]
-    assert [(tuple(k.shape), k.dtype) for k in cache.keys] == [((3, 2, 32, 8), torch.float32)] * 2
+    caches, _ = t.COMPILED_STEPS[model]
+    assert [(tuple(cache.keys.shape), cache.keys.dtype) for cache in caches] == [((3, 2, 32, 8), torch.float32)] * 2
 
 
 def test_a_training_step_validation_and_generation_run_under_bfloat16_autocast(one_thread):
     """The GPU's precision on a CPU: a step's loss within bf16's rounding of float32's, the same validation windows,
-    and the same tokens with and without the cache."""
-    import numpy as np
-
-    model = tiny_model(vocab_size=64)
-    autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731
-    generator = torch.Generator().manual_seed(0)
-    x, y = torch.randint(0, 64, (2, 16), generator=generator), torch.randint(0, 64, (2, 16), generator=generator)
-    with autocast():
-        loss = model(x, y)
-    loss.backward()
-    torch.optim.AdamW(model.parameters(), lr=1e-3).step()
-    assert loss.dtype == torch.float32 and abs(loss.item() - tiny_model(vocab_size=64)(x, y).item()) < 0.02
-    loader = t.DataLoader(t.TokenStream([np.arange(200, dtype=np.uint16) % 64]), 2, 16, 0, 1, False, 0)
-    val_losses = [t.estimate_val_loss(model, loader, 2, 1, "cpu", context, t.Launch())
-                  for context in (autocast, contextlib.nullcontext)]
-    assert abs(val_losses[0] - val_losses[1]) < 0.02, val_losses
-    cached, uncached = (t.generate(model, [1, 2, 3], 2, 10, 1.0, 20, 0, "cpu", autocast, use_cache)
-                        for use_cache in (True, False))
-    assert cached == uncached
+    generation with and without the cache, and the cached logits within bf16's rounding of the uncached ones."""
+    assert_every_path_runs_under_bfloat16(tiny_model)
 
 
 def test_resuming_goes_on_exactly_as_a_run_never_stopped(one_thread, tmp_path):
@@ -316,3 +418,96 @@ def test_resuming_goes_on_exactly_as_a_run_never_stopped(one_thread, tmp_path):
     for (name, parameter), resumed_parameter in zip(straight.model.named_parameters(), resumed.model.parameters(),
                                                     strict=True):
         torch.testing.assert_close(resumed_parameter, parameter, rtol=0, atol=0, msg=named(name))
+
+
+# ------------------------------ scratch edits that prove the checks above: what a hacker's edit would be
+
+def rotate(x, positions):
+    """Rotary embedding: each pair of x's (B, heads, T, head_dim) channels turned by angles that grow with the
+    position (T,), so that q . k depends on how far apart their positions are."""
+    half = x.size(-1) // 2
+    angles = positions.float()[:, None] / 10000 ** (torch.arange(half, device=x.device) / half)  # (T, half)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class RotaryAttention(t.CausalSelfAttention):
+    """The file's attention with q and k rotated by their positions (rotary embeddings, beside the learned ones)."""
+
+    def rotary_positions(self, positions, T):
+        return positions
+
+    def forward(self, x, positions, cache=None):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for z in (q, k, v))
+        q, k = (rotate(z, self.rotary_positions(positions, T)) for z in (q, k))
+        mask = None
+        if cache is not None:
+            k, v, mask = cache.update(positions, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class RotaryFromZero(RotaryAttention):
+    """The bug: rotary angles from torch.arange(T), ignoring `positions`. Training and the uncached forward never
+    notice (there the positions are 0 to T - 1); a one-token step past the prompt is rotated as position 0."""
+
+    def rotary_positions(self, positions, T):
+        return torch.arange(T, device=positions.device)
+
+
+class SwiGLU(torch.nn.Module):
+    """LLaMA's MLP: silu(x W_gate) * (x W_up), then down; 2/3 of the width, for GPT-2's MLP's parameters."""
+
+    def __init__(self, config):
+        super().__init__()
+        hidden = 4 * config.n_embd * 2 // 3
+        self.c_fc = torch.nn.Linear(config.n_embd, 2 * hidden, bias=False)  # gate and up in one matmul
+        self.c_proj = torch.nn.Linear(hidden, config.n_embd, bias=False)
+
+    def forward(self, x):
+        gate, up = self.c_fc(x).chunk(2, dim=-1)
+        return self.c_proj(F.silu(gate) * up)
+
+
+def tiny_model_with(attention=None, mlp=None, vocab_size=64, seed=0):
+    """tiny_model with each block's attention and/or MLP replaced by a hacker's, initialised as GPT initialises."""
+    model = tiny_model(vocab_size=vocab_size, seed=seed)
+    for block in model.transformer.h:
+        block.attn = attention(model.config) if attention else block.attn
+        block.mlp = mlp(model.config) if mlp else block.mlp
+    torch.manual_seed(seed)
+    model.reset_parameters()
+    return model
+
+
+def test_the_cache_check_fails_for_rotary_attention_that_counts_its_positions_from_zero():
+    """Scratch edit: rotary attention fed `positions` passes the cache check; the same attention taking its angles
+    from torch.arange(T) gives the uncached forward's logits exactly (training cannot see the bug) and fails the
+    cache check at the first one-token step, position 5, with a message naming the cache and the position."""
+    correct, from_zero = tiny_model_with(RotaryAttention), tiny_model_with(RotaryFromZero)
+    assert_cache_equals_no_cache(correct)
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(correct(idx)[0], from_zero(idx)[0])
+    assert_causal(from_zero)
+    with pytest.raises(AssertionError, match=r"^with the KV cache, the logits at position 5 differ from the uncached "
+                                             r"forward's by [0-9.e-]+ \(allowed: 1e-05 \+ 0 x \|logit\|\), in a "
+                                             r"one-token step"):
+        assert_cache_equals_no_cache(from_zero)
+
+
+def test_a_swiglu_mlp_passes_every_check_a_hacker_runs(one_thread):
+    """Scratch edit: a SwiGLU MLP in the file's GPT is causal, gives the uncached logits with the cache (float32,
+    to 1e-5), runs every path under bf16 with the cached logits within bf16's rounding, takes its loss (plain and
+    chunked) from GPT.logits, and its chunked loss and gradients are the plain ones."""
+    def make_model(vocab_size=64):
+        return tiny_model_with(mlp=SwiGLU, vocab_size=vocab_size)
+
+    assert_causal(make_model())
+    assert_cache_equals_no_cache(make_model())
+    assert_every_path_runs_under_bfloat16(make_model)
+    assert_loss_falls_when_the_target_logit_rises(make_model())
+    assert_chunked_loss_equals_the_plain_loss_and_gradients(7, make_model)

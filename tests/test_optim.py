@@ -10,7 +10,7 @@ from test_model import tiny_model
 @pytest.mark.recipe
 def test_defaults_are_the_gpt2_124m_recipe():
     cfg = t.parse_args([])
-    assert t.model_shape(cfg) == (12, 12, 768)
+    assert (cfg.n_layer, cfg.n_head, cfg.n_embd) == (12, 12, 768)
     assert (cfg.block_size, cfg.vocab_size) == (1024, 50304)
     assert (cfg.total_batch_size, cfg.micro_batch_size, cfg.seq_len) == (524_288, 64, 1024)
     assert (cfg.max_lr, cfg.max_lr * cfg.min_lr_ratio) == (6e-4, pytest.approx(6e-5))
@@ -46,7 +46,7 @@ def test_lr_schedule_without_warmup_starts_at_peak():
 
 def test_weight_decay_applies_to_exactly_the_2d_tensors():
     model = tiny_model()
-    [optimizer] = t.configure_optimizer(model, t.parse_args([]), fused=False)
+    [optimizer] = t.configure_optimizers(model, t.parse_args([]), fused=False)
     decayed, not_decayed = optimizer.param_groups
     assert (decayed["weight_decay"], not_decayed["weight_decay"]) == (0.1, 0.0)
     names = {id(p): n for n, p in model.named_parameters()}  # the tied matrix is listed once, as wte
@@ -64,7 +64,7 @@ def test_weight_decay_applies_to_exactly_the_2d_tensors():
 
 def test_muon_takes_the_blocks_matrices_and_adamw_keeps_the_embeddings_biases_and_layernorms():
     model = tiny_model()
-    adamw, muon = t.configure_optimizer(model, t.parse_args(["--optimizer", "muon", "--max_lr", "0.02"]), fused=False)
+    adamw, muon = t.configure_optimizers(model, t.parse_args(["--optimizer", "muon", "--max_lr", "0.02"]), fused=False)
     names = {id(p): n for n, p in model.named_parameters()}
     assert type(muon) is torch.optim.Muon and len(muon.param_groups) == 1
     assert {names[id(p)] for p in muon.param_groups[0]["params"]} == {
@@ -88,7 +88,7 @@ def test_muon_is_refused_in_one_line_by_a_pytorch_without_it(monkeypatch):
 def train_steps(model, optimizer, batches):
     for x, y in batches:
         optimizer.zero_grad()
-        model(x, y).backward()
+        model(x, y)[1].backward()
         optimizer.step()
 
 
@@ -100,11 +100,11 @@ def test_fused_adamw_the_cuda_default_steps_like_the_plain_one(one_thread):
     results = []
     for fused in (False, True):
         model = tiny_model()
-        [optimizer] = t.configure_optimizer(model, cfg, fused=fused)
+        [optimizer] = t.configure_optimizers(model, cfg, fused=fused)
         assert optimizer.defaults["fused"] is fused
         for _ in range(3):
             optimizer.zero_grad(set_to_none=True)
-            model(x, x).backward()
+            model(x, x)[1].backward()
             optimizer.step()
         results.append([p.detach().clone() for p in model.parameters()])
     plain, fused = results

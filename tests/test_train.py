@@ -85,7 +85,7 @@ def test_val_loss_is_the_mean_over_the_first_eval_batches(tmp_path):
     # 2 steps of 256 tokens: windows 0-3 of 4 x 32 tokens each, from the first validation token
     windows = [torch.from_numpy(val.read(i * 128, 129)) for i in range(4)]
     with torch.no_grad():
-        expected = sum(result.model(w[:-1].view(4, 32), w[1:].view(4, 32)) for w in windows) / 4
+        expected = sum(result.model(w[:-1].view(4, 32), w[1:].view(4, 32))[1] for w in windows) / 4
     assert logged[1:] == [pytest.approx(expected.item(), rel=1e-6)]  # logged[0]: before step 0
 
 
@@ -104,7 +104,11 @@ class PaddedVocabModel(torch.nn.Module):
 
     config = t.GPTConfig(n_layer=1, n_head=1, n_embd=8, block_size=4, vocab_size=50304)
 
-    def hidden_states(self, idx, cache=None, positions=None):
+    def __init__(self):
+        super().__init__()
+        self.lm_head = torch.nn.Linear(8, 8, bias=False)  # generate() takes the device from its weight
+
+    def hidden_states(self, idx, caches=None, positions=None):
         assert idx.shape[1] <= 4, "the context must be cropped to block_size"
         return torch.zeros(*idx.shape, 8)
 
@@ -116,21 +120,21 @@ class PaddedVocabModel(torch.nn.Module):
 
 
 def test_generate_never_samples_padding_rows_and_crops_to_block_size():
-    tokens = t.generate(PaddedVocabModel(), [1, 2, 3, 4, 5], num_samples=2, max_new_tokens=3, temperature=1.0,
-                        top_k=1, seed=0, device="cpu", autocast=contextlib.nullcontext)
+    tokens = t.generate(PaddedVocabModel(), [1, 2, 3, 4, 5], max_new_tokens=3, caches=[t.KVCache(4)], num_samples=2,
+                        temperature=1.0, top_k=1, seed=0, autocast=contextlib.nullcontext)
     assert tokens == [[7, 7, 7], [7, 7, 7]]
 
 
 class ContextRecordingModel(PaddedVocabModel):
-    def hidden_states(self, idx, cache=None, positions=None):
+    def hidden_states(self, idx, caches=None, positions=None):
         self.contexts = getattr(self, "contexts", []) + [idx[0].tolist()]
         return super().hidden_states(idx)
 
 
 def test_an_empty_prompt_samples_from_end_of_text_as_gpt2_does():
     model = ContextRecordingModel()
-    tokens = t.generate(model, [], num_samples=2, max_new_tokens=2, temperature=1.0, top_k=1, seed=0, device="cpu",
-                        autocast=contextlib.nullcontext, use_cache=False)
+    tokens = t.generate(model, [], max_new_tokens=2, caches=None, num_samples=2, temperature=1.0, top_k=1, seed=0,
+                        autocast=contextlib.nullcontext)
     assert tokens == [[7, 7], [7, 7]]  # the new tokens only, not the <|endoftext|> they follow
     assert model.contexts == [[50256], [50256, 7]]
 
@@ -161,7 +165,9 @@ def test_cuda_summary_has_mfu_and_both_memory_peaks(monkeypatch, tmp_path, capsy
     flops_per_step = 860e6 * 524_288
     log = t.MetricsLog(str(tmp_path), active=True)
     log.begin(None)
-    log.summary([5000.0, 3000.0, 2000.0, 1100.0, 1000.0, 1200.0], cfg, "cuda", flops_per_step, world_size=1)
+    # what start() and train_step() would have kept: the steps' times, the FLOPs of a step, the processes
+    log.step_ms, log.flops_per_step, log.world_size = [5000.0, 3000.0, 2000.0, 1100.0, 1000.0, 1200.0], flops_per_step, 1
+    log.summary(0, cfg, "cuda")
     assert log.records == [{"summary": {"timed_steps": 3, "median_ms": 1100.0, "median_tokens_per_s": 524_288 / 1.1,
                                         "peak_memory_gib": 25.0, "peak_reserved_gib": 27.5,
                                         "mfu": pytest.approx(860e6 * 524_288 / 1.1 / 989e12)}}]
@@ -236,15 +242,24 @@ def test_the_host_waits_for_the_device_in_no_micro_step(tmp_path, monkeypatch):
         (torch.ones(3) > 0).nonzero()
         torch.ones(3).sum().item()
     assert counter.waits == ["nonzero.default", "_local_scalar_dense.default"]
-    waits, forward_backward = [], t.forward_backward
+    # the micro-steps are inline in train(): counted from the step's first batch to all_reduce_mean, which train()
+    # calls once a step, right after them
+    waits, counting, next_batch, all_reduce_mean = [], [], t.DataLoader.next_batch, t.all_reduce_mean
 
-    def counted_forward_backward(*args, **kwargs):
-        with HostWaits() as counter:
-            loss = forward_backward(*args, **kwargs)
+    def first_batch_starts_counting(self):
+        if not counting:
+            counting.append(HostWaits())
+            counting[0].__enter__()
+        return next_batch(self)
+
+    def micro_steps_done(value, launch):
+        counter = counting.pop()
+        counter.__exit__(None, None, None)
         waits.append(counter.waits)
-        return loss
+        return all_reduce_mean(value, launch)
 
-    monkeypatch.setattr(t, "forward_backward", counted_forward_backward)
+    monkeypatch.setattr(t.DataLoader, "next_batch", first_batch_starts_counting)
+    monkeypatch.setattr(t, "all_reduce_mean", micro_steps_done)
     for loss_chunk_size in ("48", "0"):
         run(["--max_steps", "1", "--warmup_steps", "1", "--loss_chunk_size", loss_chunk_size], tmp_path,
             loss_chunk_size)
@@ -308,7 +323,7 @@ def broken(*args, **kwargs):
 
 
 @pytest.mark.parametrize("path, flags, breaks", [
-    ("validation", ["--eval_every", "10"], ("GPT", "loss")),  # the loss in eval mode
+    ("validation", ["--eval_every", "10"], ("GPT", "forward")),  # the loss in eval mode
     ("HellaSwag", ["--hellaswag_every", "10"], ("GPT", "logits")),  # training never calls logits without a loss
     ("the cached one-token step", ["--sample_every", "10"], ("KVCache", "update")),
 ])
@@ -320,8 +335,8 @@ def test_a_broken_edit_on_a_later_path_stops_a_fresh_run_before_step_0(tmp_path,
 
     flags += ["--hellaswag_path", str(write_hellaswag(tmp_path / "hs.jsonl", 3))]
     method = getattr(getattr(t, breaks[0]), breaks[1])
-    if breaks == ("GPT", "loss"):  # broken in evaluation only: training's own losses still work
-        monkeypatch.setattr(t.GPT, "loss", lambda self, *a: broken() if not self.training else method(self, *a))
+    if breaks == ("GPT", "forward"):  # broken in evaluation only: training's own losses still work
+        monkeypatch.setattr(t.GPT, "forward", lambda self, *a: broken() if not self.training else method(self, *a))
     elif breaks == ("GPT", "logits"):
         monkeypatch.setattr(t.GPT, "logits", lambda self, x: broken() if x.dim() == 2 else method(self, x))
     else:
@@ -336,7 +351,8 @@ def test_a_fresh_run_logs_the_val_loss_before_step_0_and_a_resumed_one_does_not(
     """The curve's first point: the untrained model's loss on the validation windows, logged at step -1."""
     first = run(["--max_steps", "2", "--eval_every", "2", "--eval_steps", "1"], tmp_path)
     cfg = t.parse_args(TINY_ARGS + ["--eval_steps", "1"])
-    untrained, (_, val_loader) = t.build_model(cfg, "cpu"), t.open_data(cfg, t.Launch(), with_val=True)
+    untrained, (_, val_tokens) = t.load_model(cfg, "cpu"), t.open_token_streams(cfg, with_val=True)
+    val_loader = t.DataLoader(val_tokens, cfg.micro_batch_size, cfg.seq_len, 0, 1, shuffle=False, seed=cfg.seed)
     expected = t.estimate_val_loss(untrained, val_loader, 1, t.grad_accum_steps(cfg, 1), "cpu",
                                    contextlib.nullcontext, t.Launch())
     assert [(r["step"], r["val_loss"]) for r in first.records if "val_loss" in r][0] == (-1, expected)

@@ -1,0 +1,220 @@
+"""Refusals a newcomer or a hacker meets: one line that says what to do, and nothing left behind."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import train_gpt2 as t
+from conftest import TINY_ARGS, run_script
+from test_ddp import torchrun
+from test_tensorboard import BOARD_ARGS, board_curves, jsonl_curves
+
+
+WITHOUT_SHAPE = [arg for i, arg in enumerate(TINY_ARGS)  # --init_from gives the shape
+                 if not {arg, TINY_ARGS[i - 1]} & {"--n_layer", "--n_head", "--n_embd"}]
+
+
+def refused(args, capsys):
+    """The one line a run of train_gpt2.py with args ends with, exit status 2."""
+    with pytest.raises(SystemExit) as stopped:
+        t.main(t.parse_args(args))
+    assert stopped.value.code == 2
+    return capsys.readouterr().err.strip()
+
+
+# ------------------------------ a checkpoint the edited model does not fit (issue 51)
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A tiny run's checkpoint, as the code before an edit wrote it."""
+    log_dir = tmp_path_factory.mktemp("before_the_edit")
+    t.main(t.parse_args(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(log_dir)]))
+    return torch.load(log_dir / "ckpt_2.pt", weights_only=True)
+
+
+class WithAModule(t.GPT):
+    """A hacker's edit that adds a module."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.gate = torch.nn.Linear(config.n_embd, 1)
+
+
+class WithoutPositions(t.GPT):
+    """A hacker's edit that removes the learned positions (rotary embeddings instead)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        del self.transformer["wpe"]
+
+
+class WiderMLP(t.GPT):
+    """A hacker's edit that widens the first block's MLP."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.transformer.h[0].mlp.c_fc = torch.nn.Linear(config.n_embd, 8 * config.n_embd)
+
+
+EDITS = {WithAModule: "missing gate.weight; missing gate.bias",
+         WithoutPositions: "unexpected transformer.wpe.weight",
+         WiderMLP: "transformer.h.0.mlp.c_fc.weight is (128, 32), the model's is (256, 32); "
+                   "transformer.h.0.mlp.c_fc.bias is (128,), the model's is (256,)"}
+
+
+@pytest.mark.parametrize("edited_model", EDITS)
+@pytest.mark.parametrize("flags", [["--resume"], ["--init_from"], ["--eval_only", "--init_from"]])
+def test_a_checkpoint_the_edited_model_does_not_fit_is_one_line(checkpoint, edited_model, flags, tmp_path,
+                                                               monkeypatch, capsys):
+    """It ended in load_state_dict's traceback ("Unexpected key(s) in state_dict"): the config compare passed, as no
+    config field changed."""
+    torch.save(checkpoint, tmp_path / "ckpt_1.pt")
+    monkeypatch.setattr(t, "GPT", edited_model)
+    path = str(tmp_path / "ckpt_1.pt")
+    base = TINY_ARGS if flags == ["--resume"] else WITHOUT_SHAPE  # --init_from gives the shape
+    line = refused(base + ["--max_steps", "2", *flags, path, "--log_dir", str(tmp_path / "log")], capsys)
+    assert line == (f"error: {flags[-1]} {path} does not fit this model ({EDITS[edited_model]}): the model's code "
+                    "changed since it was saved; start a new run, or use the code that wrote it")
+    assert not (tmp_path / "log").exists()
+
+
+def saved_with(checkpoint, edit, path):
+    """The checkpoint with its weights edited, as if another model's code had written them."""
+    state = {**checkpoint, "model": dict(checkpoint["model"])}
+    edit(state["model"])
+    torch.save(state, path)
+    return str(path)
+
+
+def test_the_line_names_the_first_three_problems_and_counts_the_rest(checkpoint, tmp_path, capsys):
+    def drop_biases(state):
+        for name in [name for name in state if name.endswith(".bias")][:5]:
+            del state[name]
+    path = saved_with(checkpoint, drop_biases, tmp_path / "ckpt_1.pt")
+    line = refused(WITHOUT_SHAPE + ["--init_from", path, "--log_dir", str(tmp_path / "log")], capsys)
+    assert line.count("missing ") == 3 and " and 2 more): " in line
+
+
+def test_under_torchrun_every_rank_stops_on_a_checkpoint_that_does_not_fit(checkpoint, tmp_path):
+    path = saved_with(checkpoint, lambda state: state.update({"transformer.h.0.mlp.c_fc.bias": torch.zeros(64)}),
+                      tmp_path / "ckpt_1.pt")
+    result = torchrun(2, ["train_gpt2.py"] + TINY_ARGS + ["--resume", path, "--log_dir", str(tmp_path / "log")])
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: --resume {path} does not fit this model (transformer.h.0.mlp.c_fc.bias is (64,), the "
+                      "model's is (128,)): the model's code changed since it was saved; start a new run, or use the "
+                      "code that wrote it"]
+    assert result.stderr.count("exitcode  : 2") == 2  # both ranks, neither with a traceback of ours
+    assert "train_gpt2.py\", line" not in result.stderr
+
+
+# ------------------------------ an export the tokenizer cannot drive (issue 51)
+
+def test_an_export_with_a_vocabulary_smaller_than_the_tokenizers_is_refused(checkpoint, tmp_path, capsys):
+    """Ids taken modulo 32768: transformers' generate and pipeline then failed on ordinary text (IndexError)."""
+    pytest.importorskip("transformers")
+    state = {**checkpoint, "model_config": {**checkpoint["model_config"], "vocab_size": 32768},
+             "model": {name: tensor[:32768] if name in ("transformer.wte.weight", "lm_head.weight") else tensor
+                       for name, tensor in checkpoint["model"].items()}}
+    torch.save(state, tmp_path / "small.pt")
+    line = refused(["--init_from", str(tmp_path / "small.pt"), "--export_hf", str(tmp_path / "hf"),
+                    "--log_dir", str(tmp_path / "log")], capsys)
+    assert line == (f"error: cannot export {tmp_path / 'small.pt'} as GPT-2: its transformer.wte.weight is (32768, "
+                    "32), GPT-2's is (50257, 32)")
+    assert not (tmp_path / "hf").exists()
+
+
+# ------------------------------ a refused run leaves nothing behind (issue 52)
+
+@pytest.mark.parametrize("mistake, expected", [
+    (["--data_dir", "no_such_folder"], "--data_dir no_such_folder is not a folder"),
+    (["--resume", "no_such_checkpoint.pt"], "no such checkpoint file: no_such_checkpoint.pt"),
+    (["--text_file", "no_such_file.txt"], "--text_file no_such_file.txt does not exist"),
+    (["--hellaswag_every", "5", "--hellaswag_path", "no_such.jsonl"], "--hellaswag_path no_such.jsonl does not"),
+    (["--init_from", "input.txt"], "--init_from input.txt is not a checkpoint"),
+])
+def test_a_refused_run_makes_no_log_dir_and_downloads_nothing(mistake, expected, tmp_path, monkeypatch, capsys):
+    """--log_dir was made first and stayed, empty, after a one-line refusal."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(t, "TEXT_FILE", str(tmp_path / "missing.txt"))  # not there: it would be downloaded
+    (tmp_path / "input.txt").write_text("not a checkpoint")
+    monkeypatch.setattr(t, "download", lambda *args: pytest.fail(f"downloaded {args[0]} before the refusal"))
+    args = WITHOUT_SHAPE[: WITHOUT_SHAPE.index("--text_file")] + ["--log_dir", str(tmp_path / "log")]
+    assert refused(args + mistake, capsys).startswith(f"error: {expected}")
+    assert [path.name for path in tmp_path.iterdir()] == ["input.txt"]
+
+
+# ------------------------------ mistakes say what to do (issue 52)
+
+@pytest.mark.parametrize("typo, expected", [
+    (["--max_setps", "20"], "unrecognized arguments: --max_setps 20: did you mean --max_steps?"),
+    (["--learning_rate", "1e-3"], "unrecognized arguments: --learning_rate 1e-3"),  # nothing close
+    (["--warmup_stesp", "5", "--sed", "3"], "unrecognized arguments: --warmup_stesp 5 --sed 3: did you mean "
+                                            "--warmup_steps or --seed?"),
+])
+def test_an_unknown_flag_names_the_flag_it_is_close_to(typo, expected, capsys):
+    with pytest.raises(t.ConfigError) as raised:
+        t.parse_args(typo)
+    assert str(raised.value) == f"{expected} (see --help)"
+
+
+@pytest.mark.parametrize("batch, world_size, fix", [
+    (["--total_batch_size", "524288", "--micro_batch_size", "96"], 1, "use --micro_batch_size 64, the largest that "
+     "divides it, or make --total_batch_size a multiple of it"),
+    (["--total_batch_size", "1000", "--micro_batch_size", "4", "--seq_len", "64", "--block_size", "64"], 2,
+     "make --total_batch_size a multiple of seq_len x processes = 128"),
+])
+def test_a_micro_batch_that_does_not_divide_the_step_names_the_largest_that_does(batch, world_size, fix):
+    cfg = t.parse_args(batch)
+    with pytest.raises(t.ConfigError) as raised:
+        t.check_config(cfg, world_size)
+    tokens = cfg.micro_batch_size * cfg.seq_len * world_size
+    assert str(raised.value) == (f"--total_batch_size {cfg.total_batch_size} is not divisible by micro_batch_size x "
+                                 f"seq_len x processes = {cfg.micro_batch_size} x {cfg.seq_len} x {world_size} = "
+                                 f"{tokens}: {fix}")
+
+
+def test_eps_of_0_is_refused_before_any_work(tmp_path, capsys):
+    """With eps 0 AdamW divided 0 by 0 where a parameter got no gradient: one step, then "training diverged ...
+    lower --max_lr", the wrong advice."""
+    line = refused(TINY_ARGS + ["--eps", "0", "--log_dir", str(tmp_path / "log")], capsys)
+    assert line == "error: --eps 0.0 is not above 0: AdamW divides by it where a gradient is 0 (try 1e-8)"
+    assert not (tmp_path / "log").exists()
+
+
+# ------------------------------ TensorBoard turned on at a resume (issue 52)
+
+def test_tensorboard_first_turned_on_at_a_resume_writes_the_earlier_records_too(tmp_path):
+    """It wrote only the resumed steps, though a resumed run is said to continue the same curves."""
+    without = [arg for arg in BOARD_ARGS if arg != "--tensorboard"]
+    assert run_script(without + ["--log_dir", str(tmp_path), "--stop_after_steps", "5"]).returncode == 0
+    assert not list(tmp_path.glob("events.out.tfevents.*"))
+    assert run_script(BOARD_ARGS + ["--log_dir", str(tmp_path), "--resume", "auto"]).returncode == 0
+    curves = board_curves(tmp_path)
+    assert [step for step, _ in curves["train_loss"]] == list(range(8))
+    assert [step for step, _ in curves["val_loss"]] == [-1, 3, 7]
+    assert curves == jsonl_curves(tmp_path)
+
+
+# ------------------------------ a field says what it is where it is declared (issue 51)
+
+def test_a_training_only_field_a_hacker_adds_is_this_runs_on_resume_and_init_from(tmp_path, monkeypatch):
+    """A dropout added to GPTConfig was ignored by --init_from and made --resume refuse, unless it was also listed in
+    training_settings, which nothing near the fields mentioned. Marked TRAINING_ONLY where it is declared, it is
+    each run's own, and the checkpoint keeps the value it trained with."""
+    added = ("attn_dropout", float, dataclasses.field(default=0.0, metadata=t.TRAINING_ONLY))
+    monkeypatch.setattr(t, "GPTConfig", dataclasses.make_dataclass("GPTConfig", [added], bases=(t.GPTConfig,)))
+    fields = [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
+              for f in dataclasses.fields(t.TrainConfig)]
+    fields.append(("attn_dropout", float, t.flag(0.0, "dropout on attention's weights", "model")))  # at the end
+    monkeypatch.setattr(t, "TrainConfig", dataclasses.make_dataclass("TrainConfig", fields))
+    log = ["--log_dir", str(tmp_path / "log")]
+    t.main(t.parse_args(TINY_ARGS + ["--max_steps", "4", "--stop_after_steps", "2"] + log))
+    resumed = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "4", "--resume", "auto", "--attn_dropout", "0.1"] + log))
+    assert resumed.model.config.attn_dropout == 0.1
+    assert t.load_checkpoint(str(tmp_path / "log" / "ckpt_2.pt"))["model_config"]["attn_dropout"] == 0.0
+    tuned = t.main(t.parse_args(WITHOUT_SHAPE + ["--max_steps", "1", "--warmup_steps", "0", "--init_from",
+                                                 str(tmp_path / "log" / "ckpt_2.pt"),
+                                                 "--attn_dropout", "0.2", "--log_dir", str(tmp_path / "tuned")]))
+    assert tuned.model.config.attn_dropout == 0.2 and tuned.model.config.n_layer == 2
