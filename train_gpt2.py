@@ -126,8 +126,8 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, positions, cache: "KVCache | None" = None):
-        """x (B, T, C) at positions (T,), which GPT-2's learned positions leave unused here (rotary
-        embeddings would rotate q and k by them). cache: this layer's, when generating."""
+        """x (B, T, C) at positions (T,), where the cache writes (GPT-2 adds its positions at the
+        input; rotary embeddings would turn q and k here). cache: this layer's, when generating."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim): each head attends with its own slice of C
@@ -189,7 +189,7 @@ class GPT(nn.Module):
 
     def reset_parameters(self):
         # GPT-2: std 0.02; each block adds to the residual stream twice, so the projections that
-        # add start at 0.02/sqrt(2 n_layer): the stream's variance stays ~1 however deep
+        # add start at 0.02/sqrt(2 n_layer): together they add one variance however deep
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
@@ -208,7 +208,7 @@ class GPT(nn.Module):
             return self.logits(x), None
         if self.config.loss_chunk_size:
             return None, self.chunked_loss(x, targets)
-        logits = self.logits(x)  # in float32 for the loss: a softmax over 50k needs the range
+        logits = self.logits(x)  # float32 below: a softmax over 50k needs the precision
         return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     def hidden_states(self, idx, caches: list | None = None, positions=None):
@@ -273,7 +273,7 @@ def kv_caches(model: GPT, use_cache=True) -> list[KVCache] | None:
 
 # ------------------------------ data
 class DataLoader:
-    """(B, T) batches of windows of T + 1 tokens from token k*T of a TokenStream: x = window[:-1],
+    """(B, T) windows of T + 1 tokens at k*T in a TokenStream (all shards as one): x = window[:-1],
     y = window[1:], each position's next token. Rank r of W reads B windows from position + r*B,
     all advance W*B: resumable at any world size. Shuffled: an epoch's order from (seed, epoch)."""
 
@@ -310,7 +310,7 @@ class DataLoader:
 
 
 def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
-    """On CUDA via pinned memory: the copy overlaps the GPU's work instead of waiting for it."""
+    """On CUDA via pinned memory: the CPU queues the copy and goes on, not waiting."""
     pinned = device.startswith("cuda")
     return (batch.pin_memory() if pinned else batch).to(device, non_blocking=pinned)
 
@@ -396,7 +396,7 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, fused: bool, sharded=Fals
 # ------------------------------ training
 def autocast_for(dtype: str, device: str):
     """autocast() runs matmuls in dtype (bfloat16: tensor cores, half the memory traffic), keeps
-    softmax and the loss in float32 (its matmuls in TF32 on CUDA); float32: off."""
+    softmax and the loss in float32; float32: off (CUDA runs its matmuls in TF32)."""
     return functools.partial(torch.autocast, device.split(":")[0], dtype=getattr(torch, dtype),
                              enabled=dtype != "float32")
 
@@ -457,7 +457,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict, note
             # DDP all-reduces the gradients in the last micro-step only: once a step
             sync = micro_step == accum_steps - 1 or not launch.torchrun
             with contextlib.nullcontext() if sync else model.no_sync():
-                with autocast():  # [1]: the loss; the logits are let go now, not kept in backward
+                with autocast():  # [1]: the loss; the returned logits freed now, not in backward
                     micro_loss = model(x, y)[1]
                 # gradients add up over micro-steps: each loss / accum_steps makes their sum the
                 # gradient of the step's mean loss, as one big batch would give
@@ -467,7 +467,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict, note
         loss = all_reduce_mean(loss, launch)  # DDP averaged the gradients; this, the logged loss
         for optimizer in optimizers:  # AdamW, and Muon with --optimizer muon
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        # one rare huge gradient (a bad batch) moves the weights no further than a norm of 1
+        # a rare huge gradient (a bad batch) is scaled to norm 1 before Adam's moments see it
         grad_norm = nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
         lr = lr_at(step, cfg)  # one schedule drives every optimizer
         for optimizer in optimizers:
