@@ -25,9 +25,11 @@ GPT2_VOCAB_SIZE = 50257  # the GPT-2 tokenizer's tokens
 END_OF_TEXT = 50256  # <|endoftext|>: between documents; an empty prompt starts from it
 
 # ------------------------------ config
-# (n_layer, n_head, n_embd) of the published GPT-2 models: 124M, 350M, 774M, 1558M parameters
-MODEL_SHAPES = {"gpt2": (12, 12, 768), "gpt2-medium": (24, 16, 1024),
-                "gpt2-large": (36, 20, 1280), "gpt2-xl": (48, 25, 1600)}
+# the published GPT-2 models: 124M, 350M, 774M, 1558M parameters
+MODEL_SHAPES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+                "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+                "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
+                "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600)}
 
 
 def flag(default, help: str, section: str, choices=None):
@@ -659,8 +661,7 @@ def parse_args(argv: list[str]) -> TrainConfig:
             "metavar": None if f.metadata["choices"] else value_type.__name__}
         group.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=help_text, **options)
     given = vars(parser.parse_args(argv))  # only the flags on the command line
-    shape = dict(zip(("n_layer", "n_head", "n_embd"), MODEL_SHAPES[given.get("model", "gpt2")],
-                     strict=True))
+    shape = MODEL_SHAPES[given.get("model", "gpt2")]
     if given.get("init_from") and given.keys() & shape.keys():
         raise ConfigError(f"--init_from {given['init_from']} sets the model's shape: drop "
                           + " ".join(f"--{name}" for name in shape if name in given))
@@ -1211,19 +1212,17 @@ def training_settings(cfg) -> dict:
 
 def initial_weights(cfg) -> tuple[GPTConfig, dict | None]:
     """The model's config and --init_from's weights (None: a new model)."""
-    training = training_settings(cfg)
-    if not cfg.init_from:
-        return GPTConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(GPTConfig)
-                            if hasattr(cfg, f.name)}), None
+    training, known = training_settings(cfg), {f.name for f in dataclasses.fields(GPTConfig)}
+    if not cfg.init_from:  # each field from its flag of the same name
+        return GPTConfig(**{k: v for k, v in vars(cfg).items() if k in known}), None
     if cfg.init_from in MODEL_SHAPES:  # as released
-        shape = dict(zip(("n_layer", "n_head", "n_embd"), MODEL_SHAPES[cfg.init_from], strict=True))
-        model_config = GPTConfig(**shape, block_size=1024, vocab_size=GPT2_VOCAB_SIZE, **training)
+        model_config = GPTConfig(**MODEL_SHAPES[cfg.init_from], block_size=1024,
+                                 vocab_size=GPT2_VOCAB_SIZE, **training)
         weights = load_openai_weights(cfg.init_from)
     else:  # a field it lacks: the default
         checkpoint = load_checkpoint(cfg.init_from, "--init_from")
         saved = {**checkpoint["model_config"], **training}
-        model_config = GPTConfig(**{f.name: saved[f.name] for f in dataclasses.fields(GPTConfig)
-                                    if f.name in saved})
+        model_config = GPTConfig(**{k: v for k, v in saved.items() if k in known})
         weights = checkpoint["model"]
     check_weights_fit(weights, model_config, cfg.init_from, "--init_from")
     if not (cfg.generate or cfg.export_hf) and cfg.seq_len > model_config.block_size:

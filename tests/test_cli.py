@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import train_gpt2 as t
-from conftest import ROOT, TINY_ARGS, report_card, run_python, run_script
+from conftest import ROOT, TINY_ARGS, TINY_ARGS_WITHOUT_SHAPE, report_card, run_python, run_script
 
 
 def one_line_error(result):
@@ -202,9 +202,7 @@ def test_help_explains_every_flag_under_its_section_within_the_terminal():
 def test_more_config_mistakes(args, message):
     import train_gpt2 as t
 
-    shape = ("--n_layer", "--n_head", "--n_embd")  # --init_from sets them: parse_args refuses them beside it
-    flags = [arg for pair in zip(TINY_ARGS[::2], TINY_ARGS[1::2], strict=True)
-             if "--init_from" not in args or pair[0] not in shape for arg in pair]
+    flags = TINY_ARGS_WITHOUT_SHAPE if "--init_from" in args else TINY_ARGS
     with pytest.raises(t.ConfigError) as raised:
         t.check_config(t.parse_args(flags + args), world_size=1)
     assert str(raised.value) == message

@@ -357,7 +357,7 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer_and_data(one
         with torch.no_grad():  # far from a fresh model's loss of ln(50257)
             for parameter in hf_model.parameters():
                 parameter.normal_(0.0, 0.1)
-        monkeypatch.setitem(t.MODEL_SHAPES, "gpt2", (2, 2, 32))
+        monkeypatch.setitem(t.MODEL_SHAPES, "gpt2", dict(n_layer=2, n_head=2, n_embd=32))
         monkeypatch.setattr(t, "load_openai_weights", lambda name: t.state_from_openai(hf_model.state_dict()))
         init_from, source_logits = "gpt2", lambda idx: hf_model(idx).logits
     else:

@@ -13,14 +13,14 @@ from conftest import named
 @pytest.mark.recipe
 def test_gpt2_shape_has_124439808_parameters():
     with torch.device("meta"):  # no memory, no init cost
-        model = t.GPT(t.GPTConfig(*t.MODEL_SHAPES["gpt2"], block_size=1024, vocab_size=50257))
+        model = t.GPT(t.GPTConfig(**t.MODEL_SHAPES["gpt2"], block_size=1024, vocab_size=50257))
     assert t.count_parameters(model) == 124_439_808
 
 
 @pytest.mark.recipe
 def test_padded_vocab_adds_exactly_the_padding_rows():
     with torch.device("meta"):
-        model = t.GPT(t.GPTConfig(*t.MODEL_SHAPES["gpt2"], block_size=1024, vocab_size=50304))
+        model = t.GPT(t.GPTConfig(**t.MODEL_SHAPES["gpt2"], block_size=1024, vocab_size=50304))
     assert t.count_parameters(model) == 124_439_808 + (50304 - 50257) * 768
 
 
@@ -28,7 +28,7 @@ def test_padded_vocab_adds_exactly_the_padding_rows():
 @pytest.mark.parametrize("name, expected_millions", [("gpt2-medium", 354.8), ("gpt2-large", 774.0), ("gpt2-xl", 1557.6)])
 def test_larger_shapes_match_published_sizes(name, expected_millions):
     with torch.device("meta"):
-        model = t.GPT(t.GPTConfig(*t.MODEL_SHAPES[name], block_size=1024, vocab_size=50257))
+        model = t.GPT(t.GPTConfig(**t.MODEL_SHAPES[name], block_size=1024, vocab_size=50257))
     assert round(t.count_parameters(model) / 1e6, 1) == expected_millions
 
 
@@ -196,7 +196,7 @@ def test_sequence_longer_than_block_size_is_refused():
 
 @pytest.mark.recipe
 def test_flops_per_token_of_gpt2_is_about_860_million():
-    config = t.GPTConfig(*t.MODEL_SHAPES["gpt2"], block_size=1024, vocab_size=50304)
+    config = t.GPTConfig(**t.MODEL_SHAPES["gpt2"], block_size=1024, vocab_size=50304)
     flops = t.flops_per_token(config, 124_475_904, seq_len=1024)
     assert flops == 6 * 124_475_904 + 12 * 12 * 1024 * 768
     assert round(flops / 1e6) == 860

@@ -6,21 +6,10 @@ import pytest
 import torch
 
 import train_gpt2 as t
-from conftest import TINY_ARGS, run_script
-from test_ddp import torchrun
+from conftest import TINY_ARGS, TINY_ARGS_WITHOUT_SHAPE, run_script
+from test_ddp import assert_every_rank_stopped_with_one_line, torchrun
+from test_evaluation import one_line_exit
 from test_tensorboard import BOARD_ARGS, board_curves, jsonl_curves
-
-
-WITHOUT_SHAPE = [arg for i, arg in enumerate(TINY_ARGS)  # --init_from gives the shape
-                 if not {arg, TINY_ARGS[i - 1]} & {"--n_layer", "--n_head", "--n_embd"}]
-
-
-def refused(args, capsys):
-    """The one line a run of train_gpt2.py with args ends with, exit status 2."""
-    with pytest.raises(SystemExit) as stopped:
-        t.main(t.parse_args(args))
-    assert stopped.value.code == 2
-    return capsys.readouterr().err.strip()
 
 
 # ------------------------------ a checkpoint the edited model does not fit (issue 51)
@@ -72,8 +61,8 @@ def test_a_checkpoint_the_edited_model_does_not_fit_is_one_line(checkpoint, edit
     torch.save(checkpoint, tmp_path / "ckpt_1.pt")
     monkeypatch.setattr(t, "GPT", edited_model)
     path = str(tmp_path / "ckpt_1.pt")
-    base = TINY_ARGS if flags == ["--resume"] else WITHOUT_SHAPE  # --init_from gives the shape
-    line = refused(base + ["--max_steps", "2", *flags, path, "--log_dir", str(tmp_path / "log")], capsys)
+    base = TINY_ARGS if flags == ["--resume"] else TINY_ARGS_WITHOUT_SHAPE  # --init_from gives the shape
+    line = one_line_exit(capsys, base + ["--max_steps", "2", *flags, path, "--log_dir", str(tmp_path / "log")])
     assert line == (f"error: {flags[-1]} {path} does not fit this model ({EDITS[edited_model]}): the model's code "
                     "changed since it was saved; start a new run, or use the code that wrote it")
     assert not (tmp_path / "log").exists()
@@ -92,21 +81,22 @@ def test_the_line_names_the_first_three_problems_and_counts_the_rest(checkpoint,
         for name in [name for name in state if name.endswith(".bias")][:5]:
             del state[name]
     path = saved_with(checkpoint, drop_biases, tmp_path / "ckpt_1.pt")
-    line = refused(WITHOUT_SHAPE + ["--init_from", path, "--log_dir", str(tmp_path / "log")], capsys)
+    line = one_line_exit(capsys, TINY_ARGS_WITHOUT_SHAPE + ["--init_from", path, "--log_dir", str(tmp_path / "log")])
     assert line.count("missing ") == 3 and " and 2 more): " in line
 
 
 def test_under_torchrun_every_rank_stops_on_a_checkpoint_that_does_not_fit(checkpoint, tmp_path):
     path = saved_with(checkpoint, lambda state: state.update({"transformer.h.0.mlp.c_fc.bias": torch.zeros(64)}),
                       tmp_path / "ckpt_1.pt")
-    result = torchrun(2, ["train_gpt2.py"] + TINY_ARGS + ["--resume", path, "--log_dir", str(tmp_path / "log")])
-    assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert errors == [f"error: --resume {path} does not fit this model (transformer.h.0.mlp.c_fc.bias is (64,), the "
-                      "model's is (128,)): the model's code changed since it was saved; start a new run, or use the "
-                      "code that wrote it"]
-    assert result.stderr.count("exitcode  : 2") == 2  # both ranks, neither with a traceback of ours
-    assert "train_gpt2.py\", line" not in result.stderr
+    args = ["train_gpt2.py"] + TINY_ARGS + ["--resume", path, "--log_dir", str(tmp_path / "log")]
+    result = torchrun(2, args)
+    if "(SIGABRT)" in result.stderr.split("Root Cause")[-1]:  # gloo's abort at exit (PyTorch #179291), about
+        result = torchrun(2, args)  # 1 launch in 10 here; the refusal writes nothing, so it runs again the same
+    line = (f"error: --resume {path} does not fit this model (transformer.h.0.mlp.c_fc.bias is (64,), the model's is "
+            "(128,)): the model's code changed since it was saved; start a new run, or use the code that wrote it")
+    assert_every_rank_stopped_with_one_line(result, line)
+    assert [text for text in result.stderr.splitlines() if text.startswith("error: ")] == [line]  # rank 0's alone
+    assert "exitcode  : 2" in result.stderr.split("Root Cause")[1]
 
 
 # ------------------------------ an export the tokenizer cannot drive (issue 51)
@@ -118,8 +108,8 @@ def test_an_export_with_a_vocabulary_smaller_than_the_tokenizers_is_refused(chec
              "model": {name: tensor[:32768] if name in ("transformer.wte.weight", "lm_head.weight") else tensor
                        for name, tensor in checkpoint["model"].items()}}
     torch.save(state, tmp_path / "small.pt")
-    line = refused(["--init_from", str(tmp_path / "small.pt"), "--export_hf", str(tmp_path / "hf"),
-                    "--log_dir", str(tmp_path / "log")], capsys)
+    line = one_line_exit(capsys, ["--init_from", str(tmp_path / "small.pt"), "--export_hf", str(tmp_path / "hf"),
+                    "--log_dir", str(tmp_path / "log")])
     assert line == (f"error: cannot export {tmp_path / 'small.pt'} as GPT-2: its transformer.wte.weight is (32768, "
                     "32), GPT-2's is (50257, 32)")
     assert not (tmp_path / "hf").exists()
@@ -140,8 +130,8 @@ def test_a_refused_run_makes_no_log_dir_and_downloads_nothing(mistake, expected,
     monkeypatch.setattr(t, "TEXT_FILE", str(tmp_path / "missing.txt"))  # not there: it would be downloaded
     (tmp_path / "input.txt").write_text("not a checkpoint")
     monkeypatch.setattr(t, "download", lambda *args: pytest.fail(f"downloaded {args[0]} before the refusal"))
-    args = WITHOUT_SHAPE[: WITHOUT_SHAPE.index("--text_file")] + ["--log_dir", str(tmp_path / "log")]
-    assert refused(args + mistake, capsys).startswith(f"error: {expected}")
+    args = TINY_ARGS_WITHOUT_SHAPE[: TINY_ARGS_WITHOUT_SHAPE.index("--text_file")] + ["--log_dir", str(tmp_path / "log")]
+    assert one_line_exit(capsys, args + mistake).startswith(f"error: {expected}")
     assert [path.name for path in tmp_path.iterdir()] == ["input.txt"]
 
 
@@ -178,7 +168,7 @@ def test_a_micro_batch_that_does_not_divide_the_step_names_the_largest_that_does
 def test_eps_of_0_is_refused_before_any_work(tmp_path, capsys):
     """With eps 0 AdamW divided 0 by 0 where a parameter got no gradient: one step, then "training diverged ...
     lower --max_lr", the wrong advice."""
-    line = refused(TINY_ARGS + ["--eps", "0", "--log_dir", str(tmp_path / "log")], capsys)
+    line = one_line_exit(capsys, TINY_ARGS + ["--eps", "0", "--log_dir", str(tmp_path / "log")])
     assert line == "error: --eps 0.0 is not above 0: AdamW divides by it where a gradient is 0 (try 1e-8)"
     assert not (tmp_path / "log").exists()
 
@@ -214,7 +204,7 @@ def test_a_training_only_field_a_hacker_adds_is_this_runs_on_resume_and_init_fro
     resumed = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "4", "--resume", "auto", "--attn_dropout", "0.1"] + log))
     assert resumed.model.config.attn_dropout == 0.1
     assert t.load_checkpoint(str(tmp_path / "log" / "ckpt_2.pt"))["model_config"]["attn_dropout"] == 0.0
-    tuned = t.main(t.parse_args(WITHOUT_SHAPE + ["--max_steps", "1", "--warmup_steps", "0", "--init_from",
+    tuned = t.main(t.parse_args(TINY_ARGS_WITHOUT_SHAPE + ["--max_steps", "1", "--warmup_steps", "0", "--init_from",
                                                  str(tmp_path / "log" / "ckpt_2.pt"),
                                                  "--attn_dropout", "0.2", "--log_dir", str(tmp_path / "tuned")]))
     assert tuned.model.config.attn_dropout == 0.2 and tuned.model.config.n_layer == 2
