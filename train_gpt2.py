@@ -19,104 +19,23 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 GPT2_VOCAB_SIZE = 50257  # the GPT-2 tokenizer's tokens
 END_OF_TEXT = 50256  # <|endoftext|>: between documents; an empty prompt starts from it
 
-# ------------------------------ config
-# the published GPT-2 models: 124M, 350M, 774M, 1558M parameters
-MODEL_SHAPES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768),
-                "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
-                "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
-                "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600)}
-
-
-def flag(default, help: str, section: str, choices=None):
-    """A TrainConfig field: a --flag, listed in --help under the heading `section`."""
-    return field(default=default, metadata={"help": help, "section": section, "choices": choices})
-
-
-@dataclass
-class TrainConfig:
-    """Every --flag. Defaults: GPT-2 124M as build-nanogpt trains it, on 10B FineWeb-Edu tokens."""
-    model: str = flag("gpt2", "GPT-2 shape: sets the 3 below", "model", list(MODEL_SHAPES))
-    n_layer: int = flag(12, "transformer blocks", "model")
-    n_head: int = flag(12, "attention heads", "model")
-    n_embd: int = flag(768, "model width", "model")
-    block_size: int = flag(1024, "longest context the model accepts (learned positions)", "model")
-    vocab_size: int = flag(50304, "embedding rows: 50257 tokens padded to 128 x 393", "model")
-    dropout: float = flag(0.0, "dropout where GPT-2 had it (0.1 to fine-tune)", "model")
-    data_dir: str = flag("", "fineweb.py's .npy shards' folder; empty: --text_file", "data")
-    text_file: str = flag("", "text split 90/10 into train/val (default: tiny Shakespeare)", "data")
-    shuffle: bool = flag(False, "a new seeded window order each epoch (off: in order)", "data")
-    # 2**19 = 524,288 tokens a step, about GPT-3 small's 0.5M
-    total_batch_size: int = flag(2**19, "tokens per optimizer step, all processes", "batch")
-    micro_batch_size: int = flag(64, "sequences per forward/backward pass per process", "batch")
-    seq_len: int = flag(1024, "tokens per training sequence (at most --block_size)", "batch")
-    # GPT-3 small's optimizer and schedule, as build-nanogpt uses them
-    optimizer: str = flag("adamw", "muon: for the blocks' matrices; AdamW the rest", "optimizer",
-                          ["adamw", "muon"])
-    max_lr: float = flag(6e-4, "peak learning rate, reached at the end of warmup", "optimizer")
-    min_lr_ratio: float = flag(0.1, "final learning rate as a fraction of --max_lr", "optimizer")
-    warmup_steps: int = flag(715, "linear warmup steps (375M tokens at 2**19 a step)", "optimizer")
-    max_steps: int = flag(19073, "optimizer steps: 19073 x 2**19 tokens is 10B", "optimizer")
-    weight_decay: float = flag(0.1, "AdamW's and Muon's, on 2-D tensors only", "optimizer")
-    beta1: float = flag(0.9, "AdamW beta1", "optimizer")
-    beta2: float = flag(0.95, "AdamW beta2", "optimizer")
-    eps: float = flag(1e-8, "AdamW epsilon, above 0", "optimizer")
-    grad_clip: float = flag(1.0, "clip the global gradient norm to this; 0: off", "optimizer")
-    # where the help says "the machine picks", device_settings() does, after the banner
-    device: str = flag("auto", "auto (the machine picks), cpu, cuda, cuda:N or mps", "runtime")
-    dtype: str = flag("auto", "autocast dtype (auto: the machine picks)", "runtime",
-                      choices=["auto", "float32", "bfloat16", "float16"])
-    compile: bool | None = flag(None, "torch.compile (default: the machine picks)", "runtime")
-    loss_chunk_size: int = flag(0, "loss N tokens at a time (less memory); 0: off", "runtime")
-    recompute: bool = flag(False, "recompute activations in backward (less memory)", "runtime")
-    shard_optimizer: bool = flag(False, "torchrun: share the optimizer state (ZeRO-1)", "runtime")
-    seed: int = flag(1337, "seed for initialisation, shuffling and sampling", "runtime")
-    peak_tflops: float | None = flag(None, "a GPU's peak TFLOP/s, for MFU (default: the machine "
-                                     "picks)", "runtime")
-    init_from: str = flag("", "start from gpt2, gpt2-medium, -large, -xl or a ckpt", "run modes")
-    eval_only: bool = flag(False, "print the val loss and HellaSwag accuracy, exit", "run modes")
-    generate: bool = flag(False, "print --num_samples continuations of --prompt, exit", "run modes")
-    kv_cache: bool = flag(True, "generate with a key/value cache (faster)", "run modes")
-    export_hf: str = flag("", "write --init_from as a transformers model here, exit", "run modes")
-    eval_every: int = flag(250, "val loss at step -1, every N steps, the end; 0: never", "logging")
-    eval_steps: int = flag(20, "validation steps of --total_batch_size tokens each", "logging")
-    sample_every: int = flag(250, "samples every N steps and at the end; 0: never", "logging")
-    num_samples: int = flag(4, "continuations of --prompt per sampling", "logging")
-    max_new_tokens: int = flag(32, "tokens per sample", "logging")
-    temperature: float = flag(1.0, "sampling temperature", "logging")
-    top_k: int = flag(50, "sample among the k most likely tokens", "logging")
-    prompt: str = flag("Hello, I'm a language model,", "text the samples continue", "logging")
-    hellaswag_every: int = flag(0, "HellaSwag every N steps and at the end; 0: never", "logging")
-    hellaswag_path: str = flag("", "hellaswag_val.jsonl (default: downloaded once)", "logging")
-    log_dir: str = flag("log", "folder for metrics.jsonl and checkpoints", "logging")
-    tensorboard: bool = flag(False, "also write the figures for TensorBoard", "logging")
-    ckpt_every: int = flag(1000, "checkpoint every N steps and at the end; 0: never", "checkpoints")
-    keep_ckpts: int = flag(2, "keep the N newest checkpoints; 0: all", "checkpoints")
-    stop_after_steps: int = flag(0, "end with a checkpoint after N steps; 0: never", "checkpoints")
-    resume: str = flag("", "checkpoint to go on from; auto: the newest in --log_dir", "checkpoints")
-
 
 # ------------------------------ model
-# A GPTConfig field each run sets for itself: it leaves what the weights mean alone, so --resume
-# and --init_from take this run's value (its --flag of the same name), not the checkpoint's
-TRAINING_ONLY = {"training_only": True}
-
-
 @dataclass
 class GPTConfig:
-    """The model's shape; the TrainConfig flag of the same name sets each field."""
+    """What the weights mean, and dropout; --n_layer and the rest set the fields of their names."""
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
     block_size: int = 1024  # positions the model has
     vocab_size: int = 50304  # 50,257 tokens padded to 128 x 393: matmul tiles divide it evenly
-    dropout: float = field(default=0.0, metadata=TRAINING_ONLY)
-    loss_chunk_size: int = field(default=0, metadata=TRAINING_ONLY)  # a loss slice's tokens; 0: off
-    recompute: bool = field(default=False, metadata=TRAINING_ONLY)  # rerun blocks in backward
+    dropout: float = 0.0  # not the weights': --init_from and --resume take this run's --dropout
 
 
 class CausalSelfAttention(nn.Module):
@@ -142,7 +61,6 @@ class CausalSelfAttention(nn.Module):
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
-
 
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
@@ -170,13 +88,13 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), positions, cache)
         return x + self.mlp(self.ln_2(x))
 
-
 class GPT(nn.Module):
     """GPT-2 as published; module names follow OpenAI's checkpoint (its weights map 1:1)."""
 
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, loss_chunk_size=0, recompute=False):
         super().__init__()
-        self.config = config
+        # memory savers (--loss_chunk_size, --recompute): the same numbers, in less memory
+        self.config, self.loss_chunk_size, self.recompute = config, loss_chunk_size, recompute
         self.transformer = nn.ModuleDict(dict(
             wte=nn.Embedding(config.vocab_size, config.n_embd),
             wpe=nn.Embedding(config.block_size, config.n_embd),
@@ -208,7 +126,7 @@ class GPT(nn.Module):
         x = self.hidden_states(idx)
         if targets is None:
             return self.logits(x), None
-        if self.config.loss_chunk_size:
+        if self.loss_chunk_size:
             return None, self.chunked_loss(x, targets)
         logits = self.logits(x)  # float32 below: a softmax over 50k needs the precision
         return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
@@ -224,7 +142,7 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
         for block, cache in zip(self.transformer.h, caches or [None] * len(self.transformer.h),
                                 strict=True):
-            if self.config.recompute and torch.is_grad_enabled():
+            if self.recompute and torch.is_grad_enabled():
                 # keeps x alone for backward, and reruns the block there
                 x = torch.utils.checkpoint.checkpoint(block, x, positions, use_reentrant=False)
             else:
@@ -241,8 +159,8 @@ class GPT(nn.Module):
         def summed_loss(x, targets):  # summed: the last slice may be shorter
             return F.cross_entropy(self.logits(x).float(), targets, reduction="sum")
         x, targets = x.flatten(0, 1), targets.flatten()
-        slices = zip(x.split(self.config.loss_chunk_size),
-                     targets.split(self.config.loss_chunk_size), strict=True)
+        slices = zip(x.split(self.loss_chunk_size),
+                     targets.split(self.loss_chunk_size), strict=True)
         return sum(torch.utils.checkpoint.checkpoint(summed_loss, *pair, use_reentrant=False)
                    for pair in slices) / len(targets)
 
@@ -274,6 +192,35 @@ def kv_caches(model: GPT, use_cache=True) -> list[KVCache] | None:
 
 
 # ------------------------------ data
+class TokenStream:
+    """Token arrays (the shards) as one sequence. An id beyond GPT-2's (another tokenizer's shard)
+    is clipped and kept as .problem: the run stops at the step's end, on every rank."""
+
+    def __init__(self, arrays: list[np.ndarray], names: list[str] | None = None):
+        self.arrays, self.names = arrays, names or ["the text"] * len(arrays)
+        self.starts = np.cumsum([0] + [len(a) for a in arrays])  # each one's first index
+        self.num_tokens, self.problem = int(self.starts[-1]), None
+
+    def read(self, start, count):
+        pieces, end, first = [], start + count, start
+        index = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < end:
+            local = start - self.starts[index]
+            pieces.append(self.arrays[index][local : local + end - start])
+            start += len(pieces[-1])
+            index += 1
+        tokens = np.concatenate(pieces).astype(np.int64)
+        if tokens.max() >= GPT2_VOCAB_SIZE:
+            at = int(np.argmax(tokens >= GPT2_VOCAB_SIZE))
+            name = self.names[int(np.searchsorted(self.starts, first + at, side="right")) - 1]
+            self.problem = self.problem or (
+                f"{name} holds token id {tokens[at]}, beyond GPT-2's "
+                f"{GPT2_VOCAB_SIZE} tokens (made with another tokenizer?): remake the shards with "
+                "fineweb.py")
+            np.minimum(tokens, GPT2_VOCAB_SIZE - 1, out=tokens)
+        return tokens
+
+
 class DataLoader:
     """(B, T) windows of T + 1 tokens at k*T in a TokenStream (all shards as one): x = window[:-1],
     y = window[1:], each position's next token. Rank r of W reads B windows from position + r*B,
@@ -350,12 +297,12 @@ def all_reduce_mean(value: torch.Tensor, launch: Launch) -> torch.Tensor:
 
 
 # ------------------------------ optimizer and schedule
-def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
+def grad_accum_steps(cfg: "TrainConfig", world_size: int) -> int:
     """Micro-steps a step: a step is the same tokens however many processes share it."""
     return cfg.total_batch_size // (cfg.micro_batch_size * cfg.seq_len * world_size)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
+def lr_at(step: int, cfg: "TrainConfig") -> float:
     """Linear warmup to max_lr (Adam's early updates are noisy: its moment estimates are new),
     then cosine decay to the minimum at max_steps; small steps at the end settle the loss."""
     min_lr = cfg.max_lr * cfg.min_lr_ratio
@@ -367,7 +314,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
 
 
-def configure_optimizers(model: GPT, cfg: TrainConfig, fused: bool, sharded=False) -> list:
+def configure_optimizers(model: GPT, cfg: "TrainConfig", fused: bool, sharded=False) -> list:
     """AdamW; --optimizer muon: Muon for the blocks' matrices, AdamW for the rest. sharded: each
     optimizer's state split over the processes (ZeRO-1)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -396,6 +343,81 @@ def configure_optimizers(model: GPT, cfg: TrainConfig, fused: bool, sharded=Fals
 
 
 # ------------------------------ training
+# the published GPT-2 models: 124M, 350M, 774M, 1558M parameters
+MODEL_SHAPES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+                "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+                "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
+                "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600)}
+
+
+def flag(default, help: str, section: str, choices=None):
+    """A TrainConfig field: a --flag, listed in --help under the heading `section`."""
+    return field(default=default, metadata={"help": help, "section": section, "choices": choices})
+
+
+@dataclass
+class TrainConfig:
+    """Every --flag. Defaults: GPT-2 124M as build-nanogpt trains it, on 10B FineWeb-Edu tokens."""
+    model: str = flag("gpt2", "GPT-2 shape: sets the 3 below", "model", list(MODEL_SHAPES))
+    n_layer: int = flag(12, "transformer blocks", "model")
+    n_head: int = flag(12, "attention heads", "model")
+    n_embd: int = flag(768, "model width", "model")
+    block_size: int = flag(1024, "longest context the model accepts (learned positions)", "model")
+    vocab_size: int = flag(50304, "embedding rows: 50257 tokens padded to 128 x 393", "model")
+    dropout: float = flag(0.0, "dropout where GPT-2 had it (0.1 to fine-tune)", "model")
+    data_dir: str = flag("", "fineweb.py's .npy shards' folder; empty: --text_file", "data")
+    text_file: str = flag("", "text split 90/10 into train/val (default: tiny Shakespeare)", "data")
+    shuffle: bool = flag(False, "a new seeded window order each epoch (off: in order)", "data")
+    # 2**19 = 524,288 tokens a step, about GPT-3 small's 0.5M
+    total_batch_size: int = flag(2**19, "tokens per optimizer step, all processes", "batch")
+    micro_batch_size: int = flag(64, "sequences per forward/backward pass per process", "batch")
+    seq_len: int = flag(1024, "tokens per training sequence (at most --block_size)", "batch")
+    # GPT-3 small's optimizer and schedule, as build-nanogpt uses them
+    optimizer: str = flag("adamw", "muon: for the blocks' matrices; AdamW the rest", "optimizer",
+                          ["adamw", "muon"])
+    max_lr: float = flag(6e-4, "peak learning rate, reached at the end of warmup", "optimizer")
+    min_lr_ratio: float = flag(0.1, "final learning rate as a fraction of --max_lr", "optimizer")
+    warmup_steps: int = flag(715, "linear warmup steps (375M tokens at 2**19 a step)", "optimizer")
+    max_steps: int = flag(19073, "optimizer steps: 19073 x 2**19 tokens is 10B", "optimizer")
+    weight_decay: float = flag(0.1, "AdamW's and Muon's, on 2-D tensors only", "optimizer")
+    beta1: float = flag(0.9, "AdamW beta1", "optimizer")
+    beta2: float = flag(0.95, "AdamW beta2", "optimizer")
+    eps: float = flag(1e-8, "AdamW epsilon, above 0", "optimizer")
+    grad_clip: float = flag(1.0, "clip the global gradient norm to this; 0: off", "optimizer")
+    eval_every: int = flag(250, "val loss at step -1, every N steps, the end; 0: never", "logging")
+    eval_steps: int = flag(20, "validation steps of --total_batch_size tokens each", "logging")
+    sample_every: int = flag(250, "samples every N steps and at the end; 0: never", "logging")
+    num_samples: int = flag(4, "continuations of --prompt per sampling", "logging")
+    max_new_tokens: int = flag(32, "tokens per sample", "logging")
+    temperature: float = flag(1.0, "sampling temperature", "logging")
+    top_k: int = flag(50, "sample among the k most likely tokens", "logging")
+    prompt: str = flag("Hello, I'm a language model,", "text the samples continue", "logging")
+    hellaswag_every: int = flag(0, "HellaSwag every N steps and at the end; 0: never", "logging")
+    hellaswag_path: str = flag("", "hellaswag_val.jsonl (default: downloaded once)", "logging")
+    log_dir: str = flag("log", "folder for metrics.jsonl and checkpoints", "logging")
+    tensorboard: bool = flag(False, "also write the figures for TensorBoard", "logging")
+    # the machinery's flags: where the help says "the machine picks", device_settings() does
+    device: str = flag("auto", "auto (the machine picks), cpu, cuda, cuda:N or mps", "runtime")
+    dtype: str = flag("auto", "autocast dtype (auto: the machine picks)", "runtime",
+                      choices=["auto", "float32", "bfloat16", "float16"])
+    compile: bool | None = flag(None, "torch.compile (default: the machine picks)", "runtime")
+    loss_chunk_size: int = flag(0, "loss N tokens at a time (less memory); 0: off", "runtime")
+    recompute: bool = flag(False, "recompute activations in backward (less memory)", "runtime")
+    shard_optimizer: bool = flag(False, "torchrun: share the optimizer state (ZeRO-1)", "runtime")
+    seed: int = flag(1337, "seed for initialisation, shuffling and sampling", "runtime")
+    peak_tflops: float | None = flag(None, "a GPU's peak TFLOP/s, for MFU (default: the machine "
+                                     "picks)", "runtime")
+    init_from: str = flag("", "start from gpt2, gpt2-medium, -large, -xl or a ckpt", "run modes")
+    eval_only: bool = flag(False, "print the val loss and HellaSwag accuracy, exit", "run modes")
+    generate: bool = flag(False, "print --num_samples continuations of --prompt, exit", "run modes")
+    kv_cache: bool = flag(True, "generate with a key/value cache (faster)", "run modes")
+    export_hf: str = flag("", "write --init_from as a transformers model here, exit", "run modes")
+    ckpt_every: int = flag(1000, "checkpoint every N steps and at the end; 0: never", "checkpoints")
+    keep_ckpts: int = flag(2, "keep the N newest checkpoints; 0: all", "checkpoints")
+    stop_after_steps: int = flag(0, "end with a checkpoint after N steps; 0: never", "checkpoints")
+    resume: str = flag("", "checkpoint to go on from; auto: the newest in --log_dir", "checkpoints")
+
+
 def autocast_for(dtype: str, device: str):
     """autocast() runs matmuls in dtype (bfloat16: tensor cores, half the memory traffic), keeps
     softmax and the loss in float32; float32: off (CUDA runs its matmuls in TF32)."""
@@ -413,17 +435,23 @@ class TrainResult:
     records: list[dict]  # what rank 0 logged
 
 
+def build_model(cfg: TrainConfig, model_config: GPTConfig, weights: dict | None, device) -> GPT:
+    """A new GPT, the same on every rank (seeded), or one holding --init_from's weights."""
+    torch.manual_seed(cfg.seed)
+    model = GPT(model_config, cfg.loss_chunk_size, cfg.recompute).to(device)
+    if weights is not None:  # GPT-2's or a checkpoint's
+        model.load_state_dict(weights)
+    return model
+
+
 def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict, notes=()):
     """Build the model, the data and the optimizer, then train: every rank runs this."""
     log = MetricsLog(cfg.log_dir, launch.rank == 0, cfg.tensorboard)
     # every rank reads and checks the data, the weights to start from and the checkpoint to
     # resume: a problem on any stops all, in one line
-    inputs = open_inputs(cfg, launch, log)
+    inputs = read_inputs_and_open_log(cfg, launch, log)
 
-    torch.manual_seed(cfg.seed)  # the same initial weights on every rank
-    raw_model = GPT(inputs.model_config).to(device)
-    if inputs.weights is not None:  # GPT-2's or a checkpoint's (--init_from)
-        raw_model.load_state_dict(inputs.weights)
+    raw_model = build_model(cfg, inputs.model_config, inputs.weights, device)
     # model trains; raw_model is saved, sampled, scored. Compiled: fused kernels, fewer trips to
     # memory. DDP: each process a copy; gradients averaged over processes during backward
     model = torch.compile(raw_model) if cfg.compile else raw_model
@@ -447,8 +475,17 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict, note
                                     train_loader, device, log)
     autocast, accum_steps = autocast_for(cfg.dtype, device), grad_accum_steps(cfg, W)
     log.start(notes, cfg, device, W, raw_model, accum_steps, train_loader)
-    if start_step == 0:  # a new run: the val loss "after step -1", the curve's first point
-        run_every_path_once(cfg, launch, device, model, raw_model, val_loader, inputs, log)
+    if start_step == 0:  # a new run: the val loss "after step -1" is the curve's first point;
+        # HellaSwag and sampling run once too, so that a broken edit fails before step 0
+        if cfg.eval_every:
+            log.evaluation(-1, cfg.max_steps, {"val_loss": estimate_val_loss(
+                model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
+        if cfg.hellaswag_every:
+            evaluate_hellaswag(raw_model, inputs.hellaswag[:1], device, autocast, launch)
+        if cfg.sample_every and launch.rank == 0:
+            generate(raw_model, inputs.tokenizer.encode_ordinary(cfg.prompt), 2,
+                     kv_caches(raw_model, cfg.kv_cache), cfg.num_samples, cfg.temperature,
+                     cfg.top_k, cfg.seed, autocast)
 
     for step in range(start_step, cfg.max_steps):
         started = time.perf_counter()
@@ -503,7 +540,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict, note
         if stop or pause:
             reason = "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}"
             log.info(f"stopped by {reason} after step {step}, checkpoint {cfg.log_dir}/ckpt_"
-                     f"{steps_done}.pt written: to continue, {RESUME_AUTO}")
+                     f"{steps_done}.pt written: to continue, run the same command with "
+                     "--resume auto")
             break
 
     log.summary(start_step, cfg, device)
@@ -552,8 +590,9 @@ def evaluate_hellaswag(model: GPT, batches: list[tuple], device, autocast, launc
 
 
 def sample_next(model: GPT, idx, caches, positions, noise, temperature: float):
-    """(B, 1): the token after idx (B, T) at positions (T,), from the softmax p of the top k logits
-    (k: noise's width). argmax(p / E), E (B, k) Exp(1) noise, draws i with probability p_i."""
+    """(B, 1): the token after idx (B, T) at positions (T,), drawn from the softmax p of the top k
+    logits (k: noise's width). argmax(p / E), E (B, k) Exp(1) noise, picks i with probability
+    p_i: torch.multinomial's draw, without the host sync multinomial makes on CUDA."""
     hidden = model.hidden_states(idx, caches, positions)[:, -1]  # (B, n_embd): the last position
     logits = model.logits(hidden)[:, :GPT2_VOCAB_SIZE].float() / temperature  # no padding rows
     top_logits, top_ids = torch.topk(logits, noise.size(1), dim=-1)
@@ -561,13 +600,17 @@ def sample_next(model: GPT, idx, caches, positions, noise, temperature: float):
     return top_ids.gather(-1, choice)
 
 
+# cuDNN's attention would plan anew for each length (the prompt's, each window's): 64 tokens/s
+WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 @torch.no_grad()
 def generate(model: GPT, prompt_tokens: list[int], max_new_tokens: int, caches, num_samples=1,
              temperature=1.0, top_k=50, seed=0, autocast=contextlib.nullcontext,
-             step=sample_next) -> list[list[int]]:
+             next_token=sample_next) -> list[list[int]]:
     """num_samples continuations. caches (kv_caches): the prompt's pass fills them, then each
-    token runs alone (step: sample_next, or a faster copy of it); None: every token rereads the
-    whole context. An empty prompt starts from <|endoftext|>, as GPT-2's did."""
+    token runs alone (next_token: sample_next, or a compiled copy); None: every token rereads
+    the whole context. An empty prompt starts from <|endoftext|>, as GPT-2's did."""
     model.eval()
     device = model.lm_head.weight.device
     context, block_size = prompt_tokens or [END_OF_TEXT], model.config.block_size
@@ -575,7 +618,7 @@ def generate(model: GPT, prompt_tokens: list[int], max_new_tokens: int, caches, 
     generator = torch.Generator(device=device).manual_seed(seed)  # training's RNG untouched
     top_k = min(top_k, model.config.vocab_size, GPT2_VOCAB_SIZE)
     position = torch.tensor([len(context)], device=device)  # the newest token's
-    with autocast():
+    with autocast(), sdpa_kernel(WITHOUT_CUDNN):
         for length in range(len(context), tokens.size(1)):  # tokens so far
             noise = torch.empty(num_samples, top_k, device=device).exponential_(generator=generator)
             if caches is None or length > block_size:  # the last block_size tokens, all again
@@ -585,11 +628,21 @@ def generate(model: GPT, prompt_tokens: list[int], max_new_tokens: int, caches, 
                 new = sample_next(model, tokens[:, :length], caches,
                                   torch.arange(length, device=device), noise, temperature)
             else:  # the newest token alone, (B, 1), at its position
-                new = step(model, new, caches, position, noise, temperature)
+                new = next_token(model, new, caches, position, noise, temperature)
                 position += 1
             tokens[:, length] = new[:, 0]
     model.train()
     return tokens[:, len(context) :].tolist()
+
+
+def print_samples(model: GPT, tokenizer, cfg, autocast, caches, next_token=sample_next):
+    """Print (and return) --num_samples continuations of --prompt."""
+    samples = generate(model, tokenizer.encode_ordinary(cfg.prompt), cfg.max_new_tokens, caches,
+                       cfg.num_samples, cfg.temperature, cfg.top_k, cfg.seed, autocast, next_token)
+    texts = [cfg.prompt + tokenizer.decode(sample) for sample in samples]
+    for i, text in enumerate(texts):
+        print(f"sample {i}: {text}", flush=True)
+    return texts
 
 
 # ==== The machinery: nothing below is needed to learn or change the algorithm above. ==========
@@ -616,14 +669,8 @@ import weakref
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-# ------------------------------ the command line and its checks
-TEXT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "input.txt")
-TINY_SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
-                        "tinyshakespeare/input.txt")
-UNTIMED_STEPS = 3  # compiling, warming up: not in the summary
 RESUME_AUTO = "run the same command with --resume auto"
 
 
@@ -635,13 +682,54 @@ class DownloadError(ConfigError):
     """A file from the network could not be fetched."""
 
 
-class _OneLineErrorParser(argparse.ArgumentParser):
-    def error(self, message):  # not argparse's usage and exit
-        typos = re.findall(r"(--\w+)", message) if message.startswith("unrecognized") else []
-        close = [difflib.get_close_matches(typo, self._option_string_actions, 1) for typo in typos]
-        if any(close):
-            message += f": did you mean {' or '.join(match[0] for match in close if match)}?"
-        raise ConfigError(f"{message} (see --help)")
+# ------------------------------ main and the command line
+@record  # torchrun's summary names the failing rank
+def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str:
+    """Run cfg; under torchrun, all ranks check it together."""
+    launch, machine_cfg, notes = launch or launch_from_env(os.environ), cfg, []
+    try:
+        if problem is None:
+            check_config(cfg, launch.world_size)
+            machine_cfg, notes = device_settings(cfg, launch)  # cfg with the machine's picks
+    except ConfigError as error:
+        problem = error
+    device = machine_cfg.device if problem is None else "cpu"
+    init_distributed(launch, device)
+    try:
+        check_same_command(cfg, problem, launch)  # as given
+        cfg = machine_cfg
+        if cfg.export_hf:
+            result = export_hf(cfg)
+        elif cfg.generate:
+            result = generate_samples(cfg, device)
+        elif cfg.eval_only:
+            result = evaluate_only(cfg, launch, device)
+        else:
+            with catching_stop_signals() as stop_signal:
+                result = train(cfg, launch, device, stop_signal, notes)
+    except ConfigError as error:  # on every rank: rank 0 says it
+        if launch.rank == 0:
+            print(f"error: {error}", file=sys.stderr, flush=True)
+        if launch.torchrun:
+            dist.destroy_process_group()
+        sys.exit(2)
+    except KeyboardInterrupt:  # a 2nd Ctrl-C while training, else the 1st
+        if launch.rank == 0:
+            print(interrupted_line(cfg), file=sys.stderr, flush=True)
+        sys.exit(130)
+    except torch.OutOfMemoryError:  # torchrun ends the others
+        print(f"error: {out_of_memory_message(cfg, device, launch.world_size)}", file=sys.stderr,
+              flush=True)
+        sys.exit(2)
+    if launch.torchrun:  # together: PyTorch #179291
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+def launch_from_env(environ) -> Launch:
+    return Launch(int(environ["RANK"]), int(environ["LOCAL_RANK"]), int(environ["WORLD_SIZE"]),
+                  True, int(environ["LOCAL_WORLD_SIZE"])) if "RANK" in environ else Launch()
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
@@ -661,114 +749,39 @@ def parse_args(argv: list[str]) -> TrainConfig:
             "metavar": None if f.metadata["choices"] else value_type.__name__}
         group.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=help_text, **options)
     given = vars(parser.parse_args(argv))  # only the flags on the command line
-    shape = MODEL_SHAPES[given.get("model", "gpt2")]
-    if given.get("init_from") and given.keys() & shape.keys():
-        raise ConfigError(f"--init_from {given['init_from']} sets the model's shape: drop "
-                          + " ".join(f"--{name}" for name in shape if name in given))
-    cfg = TrainConfig(**{**shape, **given})
-    if os.path.isfile(cfg.init_from):
-        with contextlib.suppress(Exception):  # unreadable: loading it says why
-            saved = torch.load(cfg.init_from, map_location="cpu", weights_only=True, mmap=True)
-            for name in ("seq_len", "micro_batch_size", "total_batch_size", "eval_steps"):
-                if name not in given and isinstance(saved, dict):
-                    setattr(cfg, name, saved["config"][name])
-    return cfg
+    cfg = TrainConfig(**{**MODEL_SHAPES[given.get("model", "gpt2")], **given})
+    model_config, run_config = init_from_settings(cfg.init_from)
+    model_flags = {name for name in model_config if hasattr(cfg, name) and name != "dropout"}
+    clashes = [f"--{name} {given[name]}" for name in model_flags & given.keys()
+               if given[name] != model_config[name]]
+    if clashes:  # the weights are of its shape
+        raise ConfigError(f"--init_from {cfg.init_from} is a model of " + ", ".join(
+            f"{name} {value}" for name, value in model_config.items() if name in model_flags)
+            + f": drop {' '.join(sorted(clashes))}")
+    taken = {name: model_config[name] for name in model_flags}
+    if cfg.eval_only:  # evaluated on windows and steps of its run's size (said in the result)
+        taken |= {name: run_config[name] for name in run_config if name not in given and name in
+                  ("seq_len", "micro_batch_size", "total_batch_size", "eval_steps")}
+    return dataclasses.replace(cfg, **taken)
 
 
-def section_fields(section):
-    return [f.name for f in dataclasses.fields(TrainConfig) if f.metadata["section"] == section]
+def init_from_settings(init_from) -> tuple[dict, dict]:
+    """--init_from's (model config, run config), as far as a quick read finds them."""
+    if init_from in MODEL_SHAPES:  # OpenAI's
+        return {**MODEL_SHAPES[init_from], "block_size": 1024, "vocab_size": GPT2_VOCAB_SIZE}, {}
+    with contextlib.suppress(Exception):  # no file, an unreadable one: check_config or loading
+        saved = torch.load(init_from, map_location="cpu", weights_only=True, mmap=True)
+        return saved["model_config"], saved["config"]
+    return {}, {}
 
 
-# ------------------------------ the machine's choices
-PEAK_TFLOPS = [  # datasheets' dense (card, 16-bit, TF32) TFLOP/s
-    (r"H100 80GB HBM3|H100 SXM", 989, 495), (r"H100 PCIe", 756, 378), (r"H200$", 989, 495),
-    (r"A100", 312, 156), (r"\bA10$", 125, 62.5), (r"\bL4$", 121, 60), (r"L40S$", 362, 183),
-    (r"RTX 3090$", 71, 35.6), (r"RTX 4090$", 165, 82.6), (r"V100-SXM", 125, 15.7),
-    (r"V100-PCIE", 112, 14), (r"\bT4$", 65, 8.1), (r"GTX 1080 Ti$", 11.3, 11.3)]
-COMPILE_GAIN = "on an H100 compile trains 1.54x faster: 489k against 317k tokens/s"
-
-
-def check_kernels(card, major, minor, arch_list: list[str]):
-    """Refuse a torch with no kernels for the card (sm_XY of its major, or PTX)."""
-    for kind, built_major, built_minor in re.findall(r"(sm|compute)_(\d+)(\d)", str(arch_list)):
-        built = (int(built_major), int(built_minor))  # sm_86: (8, 6); sm_100a: (10, 0)
-        if built <= (major, minor) and (kind == "compute" or built[0] == major):
-            return
-    if torch.version.hip is None:  # cu126: 5.0 to 9.0; cu130: 7.5 up
-        raise ConfigError(f"{card} (compute capability {major}.{minor}) has no kernels in torch "
-                          f"{torch.__version__}, built for {' '.join(arch_list)}: pip install "
-                          "torch --index-url https://download.pytorch.org/whl/cu126")
-
-
-def compile_blocker(major, minor, environ):
-    """Why torch.compile cannot run on this GPU, or None."""
-    from torch.utils._triton import has_triton_package
-    if major < 7:
-        return f"torch.compile needs compute capability 7.0 or more, this GPU has {major}.{minor}"
-    if not has_triton_package():
-        return "Triton is not installed (pip install triton)"
-    compiler = environ["CC"] if "CC" in environ else shutil.which("gcc") or shutil.which("clang")
-    if not (compiler and shutil.which(compiler)):
-        named = f"$CC={compiler!r}" if "CC" in environ else "gcc or clang"
-        return f"Triton builds with a C compiler and cannot run {named}: install gcc"
-    scheme = sysconfig.get_default_scheme()  # as Triton picks it
-    headers = sysconfig.get_paths("posix_prefix" if scheme == "posix_local" else scheme)["include"]
-    if not os.path.isfile(os.path.join(headers, "Python.h")):
-        return (f"Triton builds with Python's headers and {headers} has no Python.h: install "
-                "python3-dev")
-    return None
-
-
-def pick_device(requested, launch, gpu_count, mps_available):
-    if requested == "auto":
-        requested = "cuda" if gpu_count else "mps" if mps_available else "cpu"
-    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", requested):
-        raise ConfigError(f"unknown --device {requested!r}: use auto, cpu, cuda, cuda:N or mps")
-    kind, _, index = requested.partition(":")
-    if kind == "cuda" and not gpu_count or kind == "mps" and not mps_available:
-        raise ConfigError(f"--device {requested} is not available on this machine: use --device "
-                          "auto or cpu")
-    if kind == "cuda" and launch.torchrun and index and launch.world_size > 1:
-        raise ConfigError(f"--device {requested} names one GPU for {launch.world_size} processes: "
-                          "use --device cuda")
-    if kind == "cuda" and launch.torchrun and not index:  # one GPU per process
-        if launch.local_world_size > gpu_count:
-            raise ConfigError(f"{launch.local_world_size} processes on this machine, which has "
-                              f"{gpu_count} GPU(s): start one process a GPU "
-                              f"(torchrun --nproc_per_node={gpu_count})")
-        return f"cuda:{launch.local_rank}"
-    if index and int(index) >= gpu_count:
-        raise ConfigError(f"--device {requested} is not on this machine, which has {gpu_count} "
-                          f"GPU(s), cuda:0 to cuda:{gpu_count - 1}: pick one of those")
-    return "cuda:0" if requested == "cuda" else requested  # torch.cuda.set_device needs an index
-
-
-def device_settings(cfg, launch) -> tuple[TrainConfig, list[str]]:
-    """cfg with the machine's picks (device, dtype, compile, MFU peak); notes."""
-    device = pick_device(cfg.device, launch, torch.cuda.device_count(),
-                         torch.backends.mps.is_available())
-    gpu, card, major, minor, blocker = device.startswith("cuda"), "", 0, 0, None
-    if gpu:
-        card = torch.cuda.get_device_name(device)
-        major, minor = torch.cuda.get_device_capability(device)
-        check_kernels(card, major, minor, torch.cuda.get_arch_list())
-        blocker = compile_blocker(major, minor, os.environ)
-        torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls
-    bf16 = major >= 8 or torch.version.hip is not None  # older GPUs emulate bfloat16
-    dtype = cfg.dtype if cfg.dtype != "auto" else "float32" if not gpu else (
-        "bfloat16" if bf16 else "float16")
-    if gpu and dtype == "bfloat16" and not bf16:
-        raise ConfigError(f"--dtype bfloat16: {card} (compute capability {major}.{minor}) has no "
-                          "bfloat16 arithmetic: use --dtype float16")
-    auto = cfg.compile is None and not cfg.generate  # compiling outlasts --generate
-    compile = gpu and not blocker if auto else bool(cfg.compile)  # on CUDA
-    if compile and blocker:
-        raise ConfigError(f"--compile cannot run on {card}: {blocker}; use --no-compile")
-    peaks = [tf32 if dtype == "float32" else half for pattern, half, tf32 in PEAK_TFLOPS
-             if gpu and re.search(pattern, card)]  # the first row that fits, unless given
-    notes = [f"compile off: {blocker} ({COMPILE_GAIN})"] if auto and blocker else []
-    return dataclasses.replace(cfg, device=device, dtype=dtype, compile=compile, peak_tflops=(
-        cfg.peak_tflops if cfg.peak_tflops is not None else next(iter(peaks), None))), notes
+class _OneLineErrorParser(argparse.ArgumentParser):
+    def error(self, message):  # not argparse's usage and exit
+        typos = re.findall(r"(--\w+)", message) if message.startswith("unrecognized") else []
+        close = [difflib.get_close_matches(typo, self._option_string_actions, 1) for typo in typos]
+        if any(close):
+            message += f": did you mean {' or '.join(match[0] for match in close if match)}?"
+        raise ConfigError(f"{message} (see --help)")
 
 
 def check_config(cfg, world_size):
@@ -837,20 +850,99 @@ def micro_batch_that_divides(cfg, world_size, at_most):
                  if cfg.total_batch_size % (b * cfg.seq_len * world_size) == 0), None)
 
 
-def gather(value, launch) -> list:
-    values = [value] * launch.world_size
-    if launch.torchrun:
-        dist.all_gather_object(values, value)
-    return values
+# ------------------------------ the machine's choices
+def device_settings(cfg, launch) -> tuple[TrainConfig, list[str]]:
+    """cfg with the machine's picks (device, dtype, compile, MFU peak); notes."""
+    device = pick_device(cfg.device, launch, torch.cuda.device_count(),
+                         torch.backends.mps.is_available())
+    gpu, card, major, minor, blocker = device.startswith("cuda"), "", 0, 0, None
+    if gpu:
+        card = torch.cuda.get_device_name(device)
+        major, minor = torch.cuda.get_device_capability(device)
+        check_kernels(card, major, minor, torch.cuda.get_arch_list())
+        blocker = compile_blocker(major, minor, os.environ)
+        torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls
+    bf16 = major >= 8 or torch.version.hip is not None  # older GPUs emulate bfloat16
+    dtype = cfg.dtype if cfg.dtype != "auto" else "float32" if not gpu else (
+        "bfloat16" if bf16 else "float16")
+    if gpu and dtype == "bfloat16" and not bf16:
+        raise ConfigError(f"--dtype bfloat16: {card} (compute capability {major}.{minor}) has no "
+                          "bfloat16 arithmetic: use --dtype float16")
+    auto = cfg.compile is None and not cfg.generate  # compiling outlasts --generate
+    compile = gpu and not blocker if auto else bool(cfg.compile)  # on CUDA
+    if compile and blocker:
+        raise ConfigError(f"--compile cannot run on {card}: {blocker}; use --no-compile")
+    peaks = [tf32 if dtype == "float32" else half for pattern, half, tf32 in PEAK_TFLOPS
+             if gpu and re.search(pattern, card)]  # the first row that fits, unless given
+    notes = [f"compile off: {blocker} ({COMPILE_GAIN})"] if auto and blocker else []
+    return dataclasses.replace(cfg, device=device, dtype=dtype, compile=compile, peak_tflops=(
+        cfg.peak_tflops if cfg.peak_tflops is not None else next(iter(peaks), None))), notes
+
+PEAK_TFLOPS = [  # datasheets' dense (card, 16-bit, TF32) TFLOP/s
+    (r"H100 80GB HBM3|H100 SXM", 989, 495), (r"H100 PCIe", 756, 378), (r"H200$", 989, 495),
+    (r"A100", 312, 156), (r"\bA10$", 125, 62.5), (r"\bL4$", 121, 60), (r"L40S$", 362, 183),
+    (r"RTX 3090$", 71, 35.6), (r"RTX 4090$", 165, 82.6), (r"V100-SXM", 125, 15.7),
+    (r"V100-PCIE", 112, 14), (r"\bT4$", 65, 8.1), (r"GTX 1080 Ti$", 11.3, 11.3)]
+
+COMPILE_GAIN = "on an H100 compile trains 1.54x faster: 489k against 317k tokens/s"
 
 
-def raise_first_problem(problems: list[str | None]):
-    """Raise the lowest rank's problem, if any, on every rank."""
-    for rank, problem in enumerate(problems):
-        if problem is not None:
-            raise ConfigError(problem if rank == 0 else f"{problem} (on rank {rank})")
+def pick_device(requested, launch, gpu_count, mps_available):
+    if requested == "auto":
+        requested = "cuda" if gpu_count else "mps" if mps_available else "cpu"
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", requested):
+        raise ConfigError(f"unknown --device {requested!r}: use auto, cpu, cuda, cuda:N or mps")
+    kind, _, index = requested.partition(":")
+    if kind == "cuda" and not gpu_count or kind == "mps" and not mps_available:
+        raise ConfigError(f"--device {requested} is not available on this machine: use --device "
+                          "auto or cpu")
+    if kind == "cuda" and launch.torchrun and index and launch.world_size > 1:
+        raise ConfigError(f"--device {requested} names one GPU for {launch.world_size} processes: "
+                          "use --device cuda")
+    if kind == "cuda" and launch.torchrun and not index:  # one GPU per process
+        if launch.local_world_size > gpu_count:
+            raise ConfigError(f"{launch.local_world_size} processes on this machine, which has "
+                              f"{gpu_count} GPU(s): start one process a GPU "
+                              f"(torchrun --nproc_per_node={gpu_count})")
+        return f"cuda:{launch.local_rank}"
+    if index and int(index) >= gpu_count:
+        raise ConfigError(f"--device {requested} is not on this machine, which has {gpu_count} "
+                          f"GPU(s), cuda:0 to cuda:{gpu_count - 1}: pick one of those")
+    return "cuda:0" if requested == "cuda" else requested  # torch.cuda.set_device needs an index
 
 
+def check_kernels(card, major, minor, arch_list: list[str]):
+    """Refuse a torch with no kernels for the card (sm_XY of its major, or PTX)."""
+    for kind, built_major, built_minor in re.findall(r"(sm|compute)_(\d+)(\d)", str(arch_list)):
+        built = (int(built_major), int(built_minor))  # sm_86: (8, 6); sm_100a: (10, 0)
+        if built <= (major, minor) and (kind == "compute" or built[0] == major):
+            return
+    if torch.version.hip is None:  # cu126: 5.0 to 9.0; cu130: 7.5 up
+        raise ConfigError(f"{card} (compute capability {major}.{minor}) has no kernels in torch "
+                          f"{torch.__version__}, built for {' '.join(arch_list)}: pip install "
+                          "torch --index-url https://download.pytorch.org/whl/cu126")
+
+
+def compile_blocker(major, minor, environ):
+    """Why torch.compile cannot run on this GPU, or None."""
+    from torch.utils._triton import has_triton_package
+    if major < 7:
+        return f"torch.compile needs compute capability 7.0 or more, this GPU has {major}.{minor}"
+    if not has_triton_package():
+        return "Triton is not installed (pip install triton)"
+    compiler = environ["CC"] if "CC" in environ else shutil.which("gcc") or shutil.which("clang")
+    if not (compiler and shutil.which(compiler)):
+        named = f"$CC={compiler!r}" if "CC" in environ else "gcc or clang"
+        return f"Triton builds with a C compiler and cannot run {named}: install gcc"
+    scheme = sysconfig.get_default_scheme()  # as Triton picks it
+    headers = sysconfig.get_paths("posix_prefix" if scheme == "posix_local" else scheme)["include"]
+    if not os.path.isfile(os.path.join(headers, "Python.h")):
+        return (f"Triton builds with Python's headers and {headers} has no Python.h: install "
+                "python3-dev")
+    return None
+
+
+# ------------------------------ every rank agrees, or all stop
 def check_same_command(cfg, problem: ConfigError | None, launch):
     """Raise flags that differ between ranks, then any rank's problem, on every rank."""
     posts = gather((problem and str(problem), cfg and dataclasses.asdict(cfg)), launch)
@@ -864,556 +956,18 @@ def check_same_command(cfg, problem: ConfigError | None, launch):
     raise_first_problem([problem for problem, _ in posts])
 
 
-# ------------------------------ reading tokens and HellaSwag
-def gpt2_tokenizer():
-    import tiktoken  # here: importing this file does no work
-    try:
-        return tiktoken.get_encoding("gpt2")
-    except (OSError, ValueError) as error:  # offline; a damaged file
-        raise ConfigError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
-                          "downloads its two files once; connect to the network, or set "
-                          "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
-
-
-def read_text_tokens(path):
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"--text_file {path} does not exist: give a text file, or --data_dir "
-                          "with fineweb.py's shards") from None
-    except (OSError, UnicodeDecodeError) as error:
-        reason = (error.strerror if isinstance(error, OSError)
-                  else f"not UTF-8: {error.reason} at byte {error.start}")
-        raise ConfigError(f"cannot read --text_file {path} ({reason}): give a UTF-8 text file") \
-            from None
-    return np.array(gpt2_tokenizer().encode_ordinary(text), dtype=np.uint16)
-
-
-def find_shards(data_dir, split):
-    if not os.path.isdir(data_dir):
-        raise ConfigError(f"--data_dir {data_dir} is not a folder: run fineweb.py to make shards, "
-                          "or fix the path")
-    if os.path.exists(os.path.join(data_dir, "INCOMPLETE")):  # fineweb.py's, until done
-        raise ConfigError(f"--data_dir {data_dir} is incomplete (fineweb.py's INCOMPLETE file is "
-                          "there): wait for fineweb.py, or rerun it with --resume")
-    paths = sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.npy")))
-    if not paths:
-        raise ConfigError(f"no {split} shards (*_{split}_*.npy) in --data_dir {data_dir}: "
-                          "run fineweb.py to make them")
-    return paths
-
-
-def open_shard(path):
-    """Memory-mapped: a batch reads the pages it touches, not the whole shard."""
-    try:
-        tokens = np.load(path, mmap_mode="r")
-    except OSError as error:  # a folder, no permission, a bad disk
-        raise ConfigError(f"cannot read shard {path} ({error.strerror or error}): check the file") \
-            from None
-    except (ValueError, EOFError):  # no .npy header: numpy calls it "pickled data"
-        raise ConfigError(f"cannot read shard {path}: it is not a .npy file (empty, cut short or "
-                          "another format): delete it and rerun fineweb.py") from None
-    if tokens.dtype != np.uint16 or tokens.ndim != 1 or len(tokens) < 1:
-        raise ConfigError(f"shard {path} holds {tokens.dtype} of shape {tokens.shape}, not a 1-D "
-                          "uint16 array of tokens: rerun fineweb.py")
-    return tokens
-
-
-class TokenStream:
-    """Token arrays as one sequence; ids beyond GPT-2's are its problem (and clipped)."""
-
-    def __init__(self, arrays: list[np.ndarray], names: list[str] | None = None):
-        self.arrays, self.names = arrays, names or ["the text"] * len(arrays)
-        self.starts = np.cumsum([0] + [len(a) for a in arrays])  # each one's first index
-        self.num_tokens, self.problem = int(self.starts[-1]), None
-
-    def read(self, start, count):
-        pieces, end, first = [], start + count, start
-        index = int(np.searchsorted(self.starts, start, side="right")) - 1
-        while start < end:
-            local = start - self.starts[index]
-            pieces.append(self.arrays[index][local : local + end - start])
-            start += len(pieces[-1])
-            index += 1
-        tokens = np.concatenate(pieces).astype(np.int64)
-        if tokens.max() >= GPT2_VOCAB_SIZE:
-            at = int(np.argmax(tokens >= GPT2_VOCAB_SIZE))
-            name = self.names[int(np.searchsorted(self.starts, first + at, side="right")) - 1]
-            self.problem = self.problem or (
-                f"{name} holds token id {tokens[at]}, beyond GPT-2's "
-                f"{GPT2_VOCAB_SIZE} tokens (made with another tokenizer?): remake the shards with "
-                "fineweb.py")
-            np.minimum(tokens, GPT2_VOCAB_SIZE - 1, out=tokens)
-        return tokens
-
-
-def load_token_streams(cfg) -> tuple[TokenStream, TokenStream]:
-    """(train, val): --data_dir's shards, or the text file split 90/10."""
-    if cfg.data_dir:
-        paths = [find_shards(cfg.data_dir, split) for split in ("train", "val")]
-        return tuple(TokenStream([open_shard(path) for path in group], group) for group in paths)
-    tokens = read_text_tokens(cfg.text_file or TEXT_FILE)
-    split = int(0.9 * len(tokens))
-    return TokenStream([tokens[:split]]), TokenStream([tokens[split:]])
-
-
-HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
-HELLASWAG_CACHE = os.path.expanduser("~/.cache/train_gpt2/hellaswag_val.jsonl")
-HELLASWAG_BATCH_TOKENS = 8192  # a scoring batch's, padding included
-
-
-def read_hellaswag(path):
-    """The records: "ctx", 4 "endings", the right one's index "label"."""
-    examples = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            try:
-                example = json.loads(line)
-                endings = example["endings"]
-                valid = (isinstance(example["ctx"], str) and isinstance(endings, list)
-                         and len(endings) == 4 and all(isinstance(e, str) for e in endings)
-                         and example["label"] in range(4))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                valid = False
-            if not valid:
-                raise ConfigError(f"{path} line {line_number} is not a HellaSwag record (ctx, "
-                                  "4 endings, label 0-3)")
-            examples.append(example)
-    if not examples:
-        raise ConfigError(f"{path} holds no HellaSwag records: give hellaswag_val.jsonl's path")
-    return examples
-
-
-def render_hellaswag(example: dict, tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """tokens (4, L): context then each ending; mask (4, L): 1 on ending tokens."""
-    context = tokenizer.encode_ordinary(example["ctx"])
-    rows = [context + tokenizer.encode_ordinary(" " + ending) for ending in example["endings"]]
-    tokens = torch.zeros(4, max(len(row) for row in rows), dtype=torch.long)
-    mask = torch.zeros_like(tokens)
-    for i, row in enumerate(rows):
-        tokens[i, : len(row)] = torch.tensor(row)
-        mask[i, len(context) : len(row)] = 1
-    return tokens, mask, int(example["label"])
-
-
-def pack_hellaswag(rendered: list[tuple], max_tokens):
-    """Batches (tokens, mask (4n, L), labels (n,)) of up to max_tokens, shortest first."""
-    groups = []
-    for example in sorted(rendered, key=lambda example: example[0].size(1)):  # longest last
-        if not groups or 4 * (len(groups[-1]) + 1) * example[0].size(1) > max_tokens:
-            groups.append([])
-        groups[-1].append(example)
-    batches = []
-    for group in groups:
-        length = group[-1][0].size(1)
-        tokens, mask = (torch.cat([F.pad(example[i], (0, length - example[i].size(1)))
-                                   for example in group]) for i in (0, 1))
-        batches.append((tokens, mask, torch.tensor([label for _, _, label in group])))
-    return batches
-
-
-# ------------------------------ setting up a run
-@contextlib.contextmanager
-def failed_write_is_one_line(path, then):
-    """A failed write (full disk, quota) as one ConfigError naming the folder."""
-    try:
-        yield
-    except (OSError, RuntimeError) as error:  # torch.save's RuntimeError wraps the OSError
-        cause = error
-        while cause is not None and not isinstance(cause, OSError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
-        raise ConfigError(f"cannot write {path} ({cause.strerror or cause}): make room in "
-                          f"{os.path.dirname(path) or '.'}, then {then}") from None
-
-
-def write_atomically(path, write, then=RESUME_AUTO):
-    """write(file) to a temporary file, fsync, rename: never a half-written file."""
-    temporary = f"{path}.{os.uname().nodename}-{os.getpid()}.tmp"
-    try:
-        with failed_write_is_one_line(path, then), open(temporary, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    os.replace(temporary, path)
-
-
-def download(url, path, fix):
-    try:
-        with urllib.request.urlopen(url, timeout=30) as response:
-            data = response.read()
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        write_atomically(path, lambda f: f.write(data), then="run the same command again")
-    except OSError as error:
-        raise DownloadError(f"could not download {url} to {path} ({error}): {fix}") from None
-
-
-def open_token_streams(cfg, with_val) -> tuple[TokenStream, TokenStream | None]:
-    """(train, val), checked to hold a step and an evaluation."""
-    if not cfg.data_dir and not cfg.text_file and not os.path.exists(TEXT_FILE):
-        download(TINY_SHAKESPEARE_URL, TEXT_FILE,
-                 "put a text file there, or pass --text_file or --data_dir")
-    streams, T, tokens = load_token_streams(cfg), cfg.seq_len, f"{cfg.total_batch_size:,} tokens"
-    step_windows = cfg.total_batch_size // T
-    more = "more shards" if cfg.data_dir else "--data_dir with fineweb.py's shards"
-    for stream, name, windows, need, fix in [
-        (streams[0], "training", step_windows, f"one step of --total_batch_size {tokens}",
-         f"train on more data ({more}) or lower --total_batch_size (the README's quick start "
-         "trains a small model on tiny Shakespeare)"),
-        (streams[1] if with_val else None, "validation", step_windows * cfg.eval_steps,
-         f"an evaluation of --eval_steps {cfg.eval_steps} steps of {tokens}", f"lower "
-         f"--eval_steps or --total_batch_size, or use more data ({more})")]:
-        held = stream and max(0, stream.num_tokens - 1) // T  # DataLoader's windows
-        if stream and held < windows:
-            raise ConfigError(f"the {name} data holds {stream.num_tokens:,} tokens, {held:,} "
-                              f"windows of {T} + 1, but {need} needs {windows:,}: {fix}")
-    return streams[0], streams[1] if with_val else None
-
-
-def open_hellaswag(cfg, launch, block_size):
-    path = cfg.hellaswag_path or HELLASWAG_CACHE
-    if not os.path.exists(path):
-        download(HELLASWAG_URL, path, "pass --hellaswag_path with a local copy of it")
-    examples, tokenizer = read_hellaswag(path), gpt2_tokenizer()
-    rendered = [render_hellaswag(example, tokenizer)
-                for example in examples[launch.rank :: launch.world_size]]
-    longest = max((tokens.size(1) for tokens, _, _ in rendered), default=0)
-    if longest > block_size:
-        fix = "" if cfg.eval_only else ", or drop --hellaswag_every"
-        raise ConfigError(f"the longest HellaSwag example in {path} takes {longest} tokens, more "
-                          f"than the model's block_size of {block_size}: HellaSwag needs "
-                          f"--block_size {longest} or more{fix}")
-    return pack_hellaswag(rendered, min(HELLASWAG_BATCH_TOKENS, cfg.micro_batch_size * cfg.seq_len))
-
-
-def load_model(cfg, device) -> GPT:
-    """--init_from's model (or a new one), as train() builds it."""
-    model_config, weights = initial_weights(cfg)
-    torch.manual_seed(cfg.seed)
-    model = GPT(model_config).to(device)
-    if weights is not None:
-        model.load_state_dict(weights)
-    return model
-
-
-@dataclass
-class Inputs:  # what every rank read and checked before training
-    model_config: GPTConfig
-    weights: dict | None  # --init_from's
-    train_tokens: TokenStream
-    val_tokens: TokenStream | None
-    checkpoint: dict | None  # to resume from
-    hellaswag: list  # this rank's batches
-    tokenizer: object
-
-
-def open_inputs(cfg, launch, log) -> Inputs:
-    """Every rank runs every check that can refuse the run, then rank 0 makes the log folder."""
-    problem, inputs, found = None, None, None
-    try:
-        earlier = checkpoint_paths(cfg.log_dir)
-        if earlier and not cfg.resume:  # --resume auto would take them for its own
-            raise ConfigError(f"--log_dir {cfg.log_dir} holds an earlier run's checkpoints "
-                              f"({os.path.basename(earlier[0])}): continue it with --resume auto, "
-                              "or pass another --log_dir")
-        checkpoint = find_resume_checkpoint(cfg, log.info)
-        model_config, weights = initial_weights(cfg)  # before the data's download
-        if checkpoint is not None:
-            check_resumable(checkpoint, cfg, model_config)
-        train_tokens, val_tokens = open_token_streams(cfg, with_val=cfg.eval_every > 0)
-        inputs = Inputs(model_config, weights, train_tokens, val_tokens, checkpoint,
-                        open_hellaswag(cfg, launch, model_config.block_size) if cfg.hellaswag_every
-                        else [], gpt2_tokenizer() if cfg.sample_every else None)
-        found = (train_tokens.num_tokens, val_tokens and val_tokens.num_tokens,
-                 checkpoint and checkpoint["step"])
-    except ConfigError as error:
-        problem = str(error)
-    posts = gather((problem, found), launch)
-    raise_first_problem([problem for problem, _ in posts])
-    if len({found for _, found in posts}) > 1:
-        raise ConfigError(f"the ranks found different data or checkpoints ((train tokens, val "
-                          f"tokens, checkpoint step) on each: {[found for _, found in posts]}): "
-                          "give every machine the same shards and a shared --log_dir")
-    problem = None
-    if launch.rank == 0:
-        try:
-            os.makedirs(cfg.log_dir, exist_ok=True)
-            log.begin(inputs.checkpoint and inputs.checkpoint["step"])
-            remove_killed_writes(cfg.log_dir)
-        except ConfigError as error:  # a failed write
-            problem = str(error)
-        except OSError as error:
-            why = "it is a file" if os.path.isfile(cfg.log_dir) else error.strerror
-            problem = f"cannot make --log_dir {cfg.log_dir} ({why}): give a folder you can write to"
-    raise_first_problem(gather(problem, launch))
-    return inputs
-
-
-# ------------------------------ weights to start from
-# OpenAI's Conv1D weights, (in, out): nn.Linear wants (out, in)
-OPENAI_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
-                     "mlp.c_proj.weight")
-
-
-def state_from_openai(hf_state: dict):
-    return {name: tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor
-            for name, tensor in hf_state.items()
-            if not name.endswith((".attn.bias", ".attn.masked_bias"))}  # old versions' masks
-
-
-def state_to_openai(state, vocab_size):
-    """Our state in transformers' layout, without the padding rows."""
-    return {name: (tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor[:vocab_size]
-                   if name in ("transformer.wte.weight", "lm_head.weight") else tensor).contiguous()
-            for name, tensor in state.items()}
-
-
-def import_transformers(flag):
-    """transformers, without its warnings and progress bars."""
-    import logging
-    logging.disable(logging.WARNING)
-    try:
-        import transformers
-        import transformers.models.gpt2.modeling_gpt2  # here, quietly
-        transformers.utils.logging.disable_progress_bar()
-        return transformers
-    except ImportError:
-        raise ConfigError(f"{flag} needs the transformers library: pip install transformers") \
-            from None
-    finally:
-        logging.disable(logging.NOTSET)
-
-
-def load_openai_weights(name):
-    """OpenAI's weights: transformers' cache, else the Hugging Face hub."""
-    GPT2LMHeadModel = import_transformers(f"--init_from {name}").GPT2LMHeadModel
-    from huggingface_hub.constants import ENDPOINT
-    with contextlib.suppress(OSError):  # offline, the hub retries for 30 s
-        return state_from_openai(GPT2LMHeadModel.from_pretrained(name, local_files_only=True)
-                                 .state_dict())
-    try:
-        url = urllib.parse.urlsplit(ENDPOINT)
-        socket.create_connection((url.hostname, url.port or 443), timeout=10).close()
-        return state_from_openai(GPT2LMHeadModel.from_pretrained(name).state_dict())
-    except OSError as error:
-        raise ConfigError(f"cannot download {name} from {ENDPOINT} ({str(error).splitlines()[0]}): "
-                          "connect to the network, or give a checkpoint") from None
-
-
-def training_settings(cfg) -> dict:
-    """This run's values of GPTConfig's TRAINING_ONLY fields."""
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(GPTConfig)
-            if f.metadata.get("training_only") and hasattr(cfg, f.name)}
-
-
-def initial_weights(cfg) -> tuple[GPTConfig, dict | None]:
-    """The model's config and --init_from's weights (None: a new model)."""
-    training, known = training_settings(cfg), {f.name for f in dataclasses.fields(GPTConfig)}
-    if not cfg.init_from:  # each field from its flag of the same name
-        return GPTConfig(**{k: v for k, v in vars(cfg).items() if k in known}), None
-    if cfg.init_from in MODEL_SHAPES:  # as released
-        model_config = GPTConfig(**MODEL_SHAPES[cfg.init_from], block_size=1024,
-                                 vocab_size=GPT2_VOCAB_SIZE, **training)
-        weights = load_openai_weights(cfg.init_from)
-    else:  # a field it lacks: the default
-        checkpoint = load_checkpoint(cfg.init_from, "--init_from")
-        saved = {**checkpoint["model_config"], **training}
-        model_config = GPTConfig(**{k: v for k, v in saved.items() if k in known})
-        weights = checkpoint["model"]
-    check_weights_fit(weights, model_config, cfg.init_from, "--init_from")
-    if not (cfg.generate or cfg.export_hf) and cfg.seq_len > model_config.block_size:
-        raise ConfigError(f"--seq_len {cfg.seq_len} is longer than the model's "
-                          f"{model_config.block_size} positions: lower --seq_len")
-    return model_config, weights
-
-
-def check_weights_fit(weights: dict, model_config: GPTConfig, source, flag):
-    with torch.device("meta"):  # shapes alone
-        wanted = {name: tuple(t.shape) for name, t in GPT(model_config).state_dict().items()}
-    given = {name: tuple(t.shape) for name, t in weights.items()}
-    problems = ([f"missing {name}" for name in wanted if name not in given]
-                + [f"unexpected {name}" for name in given if name not in wanted]
-                + [f"{name} is {given[name]}, the model's is {wanted[name]}" for name in wanted
-                   if name in given and given[name] != wanted[name]])
-    if problems:
-        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
-        raise ConfigError(f"{flag} {source} does not fit this model ({'; '.join(problems[:3])}"
-                          f"{more}): the model's code changed since it was saved; start a new "
-                          "run, or use the code that wrote it")
-
-
-# ------------------------------ checkpoints
-CHECKPOINT_KEYS = {"model", "model_config", "optimizer", "scaler", "step", "config",
-                   "windows_consumed", "rng"}
-
-
-def checkpoint_paths(log_dir):
-    """log_dir's ckpt_<step>.pt files, newest first."""
-    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(log_dir, "ckpt_*.pt"))
-             if (m := re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p)))]
-    return [p for _, p in sorted(found, reverse=True)]
-
-
-def file_sha256(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(2**24):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def save_checkpoint(path, state, keep):
-    """The checkpoint and its sha256 (torch.load misses a flipped byte); keeps `keep`."""
-    write_atomically(path, lambda f: torch.save(state, f))  # a path hides a full disk's OSError
-    write_atomically(f"{path}.sha256", lambda f: f.write(f"{file_sha256(path)}\n".encode()))
-    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-    os.fsync(directory)  # make the renames themselves durable
-    os.close(directory)
-    for old in checkpoint_paths(os.path.dirname(path))[keep:] if keep else []:
-        for stale in glob.glob(glob.escape(old) + "*"):  # with its .sha256
-            os.remove(stale)
-    remove_killed_writes(os.path.dirname(path))
-
-
-def remove_killed_writes(log_dir):
-    """A write killed part way leaves its temporary file (1.5 GB at 124M)."""
-    for temporary in glob.glob(os.path.join(log_dir, "ckpt_*.pt*.tmp")):
-        os.remove(temporary)
-
-
-def load_checkpoint(path, flag="--resume"):
-    if not os.path.isfile(path):
-        raise ConfigError(f"no such checkpoint file: {path}")
-    not_ours = f"{flag} {path} is not a checkpoint"
-    with open(path, "rb") as f:
-        if f.read(4) != b"PK\x03\x04":  # torch.save writes zip files
-            raise ConfigError(f"{not_ours} (not a file torch.save wrote): give a ckpt_<step>.pt "
-                              "from a --log_dir")
-    checksum = Path(f"{path}.sha256")
-    if checksum.exists() and checksum.read_text().strip() != file_sha256(path):
-        raise ConfigError(f"checkpoint {path} is corrupt (its sha256 differs from {checksum}): "
-                          "resume from an older checkpoint")
-    try:  # the GPU may lack room beside the model
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as error:  # a cut or foreign file fails in many ways
-        fix = "resume from an older checkpoint" if flag == "--resume" else "give another checkpoint"
-        raise ConfigError(f"cannot read checkpoint {path} ({str(error).splitlines()[0]}): {fix}") \
-            from None
-    if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
-        holds = (f"keys {', '.join(map(str, checkpoint))}" if isinstance(checkpoint, dict)
-                 else type(checkpoint).__name__)
-        raise ConfigError(f"{not_ours} of train_gpt2.py (it holds {holds}): give a ckpt_<step>.pt "
-                          "from a --log_dir")
-    checkpoint["path"] = path
-    return checkpoint
-
-
-def find_resume_checkpoint(cfg, say) -> dict | None:
-    """The checkpoint --resume names; 'auto': the newest that loads, or None."""
-    if cfg.resume != "auto":
-        return load_checkpoint(cfg.resume) if cfg.resume else None
-    for path in checkpoint_paths(cfg.log_dir):
-        try:
-            return load_checkpoint(path)
-        except ConfigError as error:
-            say(f"warning: skipping {error}")
-    say(f"--resume auto: no checkpoint in {cfg.log_dir}, starting from scratch")
-    return None
-
-
-def check_resumable(checkpoint: dict, cfg, model_config: GPTConfig):
-    saved, wanted = checkpoint["model_config"], dataclasses.asdict(model_config)
-    this_runs = training_settings(cfg)
-    differing = [f"{name} {saved.get(name)} -> {wanted.get(name)}" for name in {**saved, **wanted}
-                 if name not in this_runs and saved.get(name) != wanted.get(name)]
-    differing += [f"{name} {checkpoint['config'][name]} -> {getattr(cfg, name)}"
-                  for name in ("total_batch_size", "seq_len")  # the data position's unit
-                  if checkpoint["config"][name] != getattr(cfg, name)]
-    if differing:
-        raise ConfigError(f"cannot resume from {checkpoint['path']}: {', '.join(differing)} (they "
-                          "define its weights, schedule and data position): use its values")
-    if (trained_with := checkpoint["config"]["optimizer"]) != cfg.optimizer:
-        raise ConfigError(f"cannot resume from {checkpoint['path']} with --optimizer "
-                          f"{cfg.optimizer}: it holds {trained_with}'s state; resume with "
-                          f"--optimizer {trained_with}, or start a new run from its weights with "
-                          f"--init_from {checkpoint['path']}")
-    check_weights_fit(checkpoint["model"], model_config, checkpoint["path"], "--resume")
-
-
-def rng_states(device):
-    """torch's generators; on CUDA this GPU's only (a new machine may have fewer)."""
-    return {"torch_cpu": torch.get_rng_state(),
-            "torch_cuda": [torch.cuda.get_rng_state(device)] if device.startswith("cuda") else []}
-
-
-def restore_rng_states(states, device):
-    torch.set_rng_state(states["torch_cpu"])
-    if states["torch_cuda"] and device.startswith("cuda"):
-        torch.cuda.set_rng_state(states["torch_cuda"][0], device)
-
-
-def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, device, log):
-    if checkpoint is None:  # returns the step to go on from
-        return 0
-    model.load_state_dict(checkpoint["model"])
-    for optimizer, state in zip(optimizers, checkpoint["optimizer"], strict=True):
-        optimizer.load_state_dict(state)
-    if checkpoint["scaler"]:
-        scaler.load_state_dict(checkpoint["scaler"])
-    loader.windows_consumed = checkpoint["windows_consumed"]
-    if loader.rank < len(checkpoint["rng"]):  # a new rank keeps its seed
-        restore_rng_states(checkpoint["rng"][loader.rank], device)
-    saved, step, tokens = checkpoint["config"], checkpoint["step"], loader.stream.num_tokens
-    if checkpoint["train_tokens"] != tokens:
-        log.info(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
-                 f"{checkpoint['train_tokens']:,}: its data position points at other tokens now; "
-                 "resume with the checkpoint's data to go on exactly")
-    changed = {name: saved.get(name) for name in section_fields("optimizer")
-               if saved.get(name) != getattr(cfg, name)}
-    if changed:  # allowed (to extend a run)
-        old_cfg = dataclasses.replace(cfg, **{k: v for k, v in changed.items() if v is not None})
-        flags = ", ".join(f"--{k} {v} -> {getattr(cfg, k)}" for k, v in changed.items())
-        log.info(f"warning: the optimizer and schedule differ from the checkpoint's ({flags}): "
-                 f"at step {step} the learning rate goes on at {lr_at(step, cfg):.4e} instead of "
-                 f"{lr_at(step, old_cfg):.4e}")
-    log.info(f"resumed from step {step} ({checkpoint['windows_consumed']:,} windows into the data)")
-    return step
-
-
-def write_checkpoint(cfg, launch, device, model, optimizers, scaler, loader, steps_done):
-    """Rank 0 writes ckpt_<steps_done>.pt; all stop if it could not."""
-    if cfg.shard_optimizer and launch.world_size > 1:
-        for optimizer in optimizers:
-            optimizer.consolidate_state_dict(to=0)  # each rank sends its share
-    rng, problem = gather(rng_states(device), launch), None
-    if launch.rank == 0:
-        state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
-                 "optimizer": [optimizer.state_dict() for optimizer in optimizers], "rng": rng,
-                 "scaler": scaler.state_dict(), "config": dataclasses.asdict(cfg),
-                 "step": steps_done, "windows_consumed": loader.windows_consumed,
-                 "train_tokens": loader.stream.num_tokens}
-        try:
-            save_checkpoint(os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt"), state,
-                            cfg.keep_ckpts)
-        except ConfigError as error:
-            problem = str(error)
-    raise_first_problem(gather(problem, launch))
-
-
-def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir):
-    """Stop on a loss or norm not finite (float16 skips inf norms), saving nothing."""
-    if math.isfinite(train_loss) and (loss_scaling or math.isfinite(grad_norm)):
-        return
-    saved = checkpoint_paths(log_dir)
-    go_back = (f"go on from {saved[0]} (--resume {saved[0]}), or an older checkpoint if the loss "
-               "was rising there already," if saved else "start again")
-    raise ConfigError(f"training diverged at step {step}: loss {train_loss:.4g}, gradient norm "
-                      f"{grad_norm:.4g}; nothing was saved from this step: {go_back} with a lower "
-                      "--max_lr or more --warmup_steps")
+def gather(value, launch) -> list:
+    values = [value] * launch.world_size
+    if launch.torchrun:
+        dist.all_gather_object(values, value)
+    return values
+
+
+def raise_first_problem(problems: list[str | None]):
+    """Raise the lowest rank's problem, if any, on every rank."""
+    for rank, problem in enumerate(problems):
+        if problem is not None:
+            raise ConfigError(problem if rank == 0 else f"{problem} (on rank {rank})")
 
 
 @contextlib.contextmanager
@@ -1435,37 +989,7 @@ def catching_stop_signals():
             signal.signal(signum, handler)
 
 
-def interrupted_line(cfg):
-    if cfg is None or cfg.export_hf or cfg.generate or cfg.eval_only:  # nothing to save
-        return "stopped by Ctrl-C"
-    saved = checkpoint_paths(cfg.log_dir)
-    lost = (f"the steps after {saved[0]} are lost; to go on from it, {RESUME_AUTO}" if saved
-            else "no checkpoint was written, its steps are lost")
-    return f"stopped at once by a second Ctrl-C: {lost}"
-
-
-def stop_or_fail_together(signalled, sources: list, launch, device):
-    """Whether any rank got a stop signal; raises any rank's problem on all."""
-    problem = next((source.problem for source in sources if source and source.problem), None)
-    flags = [signalled, problem is not None]
-    if launch.torchrun:
-        values = torch.tensor(flags, dtype=torch.float32, device=device)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        flags = [bool(value) for value in values.tolist()]
-    if flags[1]:
-        raise_first_problem(gather(problem, launch))
-    return flags[0]
-
-
 # ------------------------------ logging
-def record_step(line, default):
-    """A metrics.jsonl line's step; default for the summary or a cut line."""
-    try:
-        return json.loads(line).get("step", default)
-    except json.JSONDecodeError:
-        return default
-
-
 class MetricsLog:
     """Rank 0 prints and logs; a failed write stops all ranks at the step's end."""
 
@@ -1482,7 +1006,7 @@ class MetricsLog:
         if resume_step is not None and os.path.exists(self.path):
             with open(self.path) as f:
                 kept = [line for line in f if record_step(line, resume_step) < resume_step]
-        write_atomically(self.path, lambda f: f.write("".join(kept).encode()))
+        write_atomically(self.path, lambda temporary: Path(temporary).write_text("".join(kept)))
         if self.tensorboard:
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
             folder = os.path.dirname(self.path)
@@ -1598,6 +1122,14 @@ class MetricsLog:
         self.write({"summary": summary}, line)
 
 
+def record_step(line, default):
+    """A metrics.jsonl line's step; default for the summary or a cut line."""
+    try:
+        return json.loads(line).get("step", default)
+    except json.JSONDecodeError:
+        return default
+
+
 def count_parameters(model: nn.Module):
     return sum(p.numel() for p in model.parameters())  # the tied matrix once
 
@@ -1610,73 +1142,592 @@ def flops_per_token(model_config: GPTConfig, num_params, seq_len):
 def model_flops_utilization(flops_per_step, step_ms, peak_tflops, world_size):
     return flops_per_step * 1000 / step_ms / (world_size * peak_tflops * 1e12)
 
-
-# ------------------------------ sampling while training, and fast generation
-# cuDNN's attention would plan anew for each length (the prompt's, each window's): 64 tokens/s
-WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+UNTIMED_STEPS = 3  # compiling, warming up: not in the summary
 
 
-def print_samples(model: GPT, tokenizer, cfg, autocast, caches,
-                  step=sample_next) -> list[str]:
-    with sdpa_kernel(WITHOUT_CUDNN):
-        samples = generate(model, tokenizer.encode_ordinary(cfg.prompt), cfg.max_new_tokens,
-                           caches, cfg.num_samples, cfg.temperature, cfg.top_k, cfg.seed,
-                           autocast, step)
-    texts = [cfg.prompt + tokenizer.decode(sample) for sample in samples]
-    for i, text in enumerate(texts):
-        print(f"sample {i}: {text}", flush=True)
-    return texts
+# ------------------------------ reading the inputs
+def read_inputs_and_open_log(cfg, launch, log) -> "Inputs":
+    """Every rank reads the inputs and runs every check that can refuse the run, then rank 0
+    makes the log folder and metrics.jsonl: a problem on any rank stops all, in one line."""
+    inputs = on_every_rank(launch, lambda: read_inputs(cfg, launch, log))
+    found = gather((inputs.train_tokens.num_tokens, inputs.val_tokens and
+                    inputs.val_tokens.num_tokens, inputs.checkpoint and inputs.checkpoint["step"]),
+                   launch)
+    if len(set(found)) > 1:
+        raise ConfigError(f"the ranks found different data or checkpoints ((train tokens, val "
+                          f"tokens, checkpoint step) on each: {found}): give every machine the "
+                          "same shards and a shared --log_dir")
+    on_every_rank(launch, lambda: launch.rank == 0 and open_log_dir(cfg, log, inputs.checkpoint))
+    return inputs
 
 
-def run_every_path_once(cfg, launch, device, model, raw_model, val_loader, inputs, log):
-    """Run each path once before step 0, so that a broken edit fails in seconds."""
-    autocast = autocast_for(cfg.dtype, device)
-    accum_steps = grad_accum_steps(cfg, launch.world_size)
-    if cfg.eval_every:
-        log.evaluation(-1, cfg.max_steps, {"val_loss": estimate_val_loss(
-            model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
-    if cfg.hellaswag_every:
-        evaluate_hellaswag(raw_model, inputs.hellaswag[:1], device, autocast, launch)
-    if cfg.sample_every and launch.rank == 0:
-        generate(raw_model, inputs.tokenizer.encode_ordinary(cfg.prompt), 2,
-                 kv_caches(raw_model, cfg.kv_cache), cfg.num_samples, cfg.temperature, cfg.top_k,
-                 cfg.seed, autocast)
+def on_every_rank(launch, work):
+    """work()'s value; a ConfigError on any rank is raised on every rank (the lowest rank's)."""
+    try:
+        value, problem = work(), None
+    except ConfigError as error:
+        value, problem = None, str(error)
+    raise_first_problem(gather(problem, launch))
+    return value
 
 
-GENERATE_WARMUP_TOKENS = 3  # --generate's untimed first call
-COMPILED_STEPS = weakref.WeakKeyDictionary()  # (caches, step) a model
+def read_inputs(cfg, launch, log) -> "Inputs":
+    earlier = checkpoint_paths(cfg.log_dir)
+    if earlier and not cfg.resume:  # --resume auto would take them for its own
+        raise ConfigError(f"--log_dir {cfg.log_dir} holds an earlier run's checkpoints "
+                          f"({os.path.basename(earlier[0])}): continue it with --resume auto, "
+                          "or pass another --log_dir")
+    checkpoint = find_resume_checkpoint(cfg, log.info)
+    model_config, weights = initial_weights(cfg)  # before the data's download
+    if checkpoint is not None:
+        check_resumable(checkpoint, cfg, model_config)
+    train_tokens, val_tokens = open_token_streams(cfg, with_val=cfg.eval_every > 0)
+    return Inputs(model_config, weights, train_tokens, val_tokens, checkpoint,
+                  open_hellaswag(cfg, launch, model_config.block_size) if cfg.hellaswag_every
+                  else [], gpt2_tokenizer() if cfg.sample_every else None)
 
 
-def compiled_step(model: GPT, device) -> tuple:
-    """(caches, step) for generate(): sample_next compiled once."""
-    if model not in COMPILED_STEPS:
-        compiled = torch.compile(sample_next, fullgraph=True,
-                                 mode="reduce-overhead" if device.startswith("cuda") else None)
+@dataclass
+class Inputs:  # what every rank read and checked before training
+    model_config: GPTConfig
+    weights: dict | None  # --init_from's
+    train_tokens: TokenStream
+    val_tokens: TokenStream | None
+    checkpoint: dict | None  # to resume from
+    hellaswag: list  # this rank's batches
+    tokenizer: object
 
-        def step(model, idx, caches, positions, noise, temperature):
-            for cache in caches:  # the graph reads them in place
-                torch._dynamo.mark_static_address(cache.keys, guard=False)
-                torch._dynamo.mark_static_address(cache.values, guard=False)
-            # a copy: the graph's next run overwrites its last output
-            return compiled(model, idx.clone(), caches, positions, noise, temperature)
-        COMPILED_STEPS[model] = (kv_caches(model), step)
-    return COMPILED_STEPS[model]
+
+def open_log_dir(cfg, log, checkpoint):
+    try:
+        os.makedirs(cfg.log_dir, exist_ok=True)
+    except OSError as error:
+        why = "it is a file" if os.path.isfile(cfg.log_dir) else error.strerror
+        raise ConfigError(f"cannot make --log_dir {cfg.log_dir} ({why}): give a folder you can "
+                          "write to") from None
+    log.begin(checkpoint and checkpoint["step"])
+    remove_killed_writes(cfg.log_dir)
+
+
+def checkpoint_paths(log_dir):
+    """log_dir's ckpt_<step>.pt files, newest first."""
+    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(log_dir, "ckpt_*.pt"))
+             if (m := re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p)))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def find_resume_checkpoint(cfg, say) -> dict | None:
+    """The checkpoint --resume names; 'auto': the newest that loads, or None."""
+    if cfg.resume != "auto":
+        return load_checkpoint(cfg.resume) if cfg.resume else None
+    for path in checkpoint_paths(cfg.log_dir):
+        try:
+            return load_checkpoint(path)
+        except ConfigError as error:
+            say(f"warning: skipping {error}")
+    say(f"--resume auto: no checkpoint in {cfg.log_dir}, starting from scratch")
+    return None
+
+
+def load_checkpoint(path, flag="--resume"):
+    if not os.path.isfile(path):
+        raise ConfigError(f"no such checkpoint file: {path}")
+    not_ours = f"{flag} {path} is not a checkpoint"
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":  # torch.save writes zip files
+            raise ConfigError(f"{not_ours} (not a file torch.save wrote): give a ckpt_<step>.pt "
+                              "from a --log_dir")
+    checksum = Path(f"{path}.sha256")
+    if checksum.exists() and checksum.read_text().strip() != file_sha256(path):
+        raise ConfigError(f"checkpoint {path} is corrupt (its sha256 differs from {checksum}): "
+                          "resume from an older checkpoint")
+    try:  # the GPU may lack room beside the model
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # a cut or foreign file fails in many ways
+        fix = "resume from an older checkpoint" if flag == "--resume" else "give another checkpoint"
+        raise ConfigError(f"cannot read checkpoint {path} ({str(error).splitlines()[0]}): {fix}") \
+            from None
+    if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
+        holds = (f"keys {', '.join(map(str, checkpoint))}" if isinstance(checkpoint, dict)
+                 else type(checkpoint).__name__)
+        raise ConfigError(f"{not_ours} of train_gpt2.py (it holds {holds}): give a ckpt_<step>.pt "
+                          "from a --log_dir")
+    checkpoint["path"] = path
+    return checkpoint
+
+CHECKPOINT_KEYS = {"model", "model_config", "optimizer", "scaler", "step", "config",
+                   "windows_consumed", "rng"}
+
+
+def file_sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(2**24):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def initial_weights(cfg) -> tuple[GPTConfig, dict | None]:
+    """The model's config and --init_from's weights (None: a new model)."""
+    if not cfg.init_from:  # each field from its flag of the same name
+        known = {f.name for f in dataclasses.fields(GPTConfig)}
+        return GPTConfig(**{k: v for k, v in vars(cfg).items() if k in known}), None
+    if cfg.init_from in MODEL_SHAPES:  # as released
+        model_config = GPTConfig(**init_from_settings(cfg.init_from)[0], dropout=cfg.dropout)
+        weights = load_openai_weights(cfg.init_from)
+    else:
+        checkpoint = load_checkpoint(cfg.init_from, "--init_from")
+        model_config, weights = checkpoint_model_config(checkpoint, cfg), checkpoint["model"]
+    check_weights_fit(weights, model_config, cfg.init_from, "--init_from")
+    if not (cfg.generate or cfg.export_hf) and cfg.seq_len > model_config.block_size:
+        raise ConfigError(f"--seq_len {cfg.seq_len} is longer than the model's "
+                          f"{model_config.block_size} positions: lower --seq_len")
+    return model_config, weights
+
+
+def checkpoint_model_config(checkpoint, cfg) -> GPTConfig:
+    """Its GPTConfig with this run's --dropout. A field GPTConfig lacks is refused (older files
+    held flags there, as recompute: this run's). A field the file lacks: the default."""
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = [name for name in checkpoint["model_config"] if name not in known
+               and not hasattr(cfg, name)]
+    if unknown:
+        raise ConfigError(f"{checkpoint['path']} holds model field(s) {', '.join(unknown)} that "
+                          "GPTConfig lacks: add them to GPTConfig, or use the code that wrote it")
+    return GPTConfig(**{**{k: v for k, v in checkpoint["model_config"].items() if k in known},
+                        "dropout": cfg.dropout})
+
+
+def load_openai_weights(name):
+    """OpenAI's weights: transformers' cache, else the Hugging Face hub."""
+    GPT2LMHeadModel = import_transformers(f"--init_from {name}").GPT2LMHeadModel
+    from huggingface_hub.constants import ENDPOINT
+    with contextlib.suppress(OSError):  # offline, the hub retries for 30 s
+        return state_from_openai(GPT2LMHeadModel.from_pretrained(name, local_files_only=True)
+                                 .state_dict())
+    try:
+        url = urllib.parse.urlsplit(ENDPOINT)
+        socket.create_connection((url.hostname, url.port or 443), timeout=10).close()
+        return state_from_openai(GPT2LMHeadModel.from_pretrained(name).state_dict())
+    except OSError as error:
+        raise ConfigError(f"cannot download {name} from {ENDPOINT} ({str(error).splitlines()[0]}): "
+                          "connect to the network, or give a checkpoint") from None
+
+
+def import_transformers(flag):
+    """transformers, without its warnings and progress bars."""
+    import logging
+    logging.disable(logging.WARNING)
+    try:
+        import transformers
+        import transformers.models.gpt2.modeling_gpt2  # here, quietly
+        transformers.utils.logging.disable_progress_bar()
+        return transformers
+    except ImportError:
+        raise ConfigError(f"{flag} needs the transformers library: pip install transformers") \
+            from None
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def state_from_openai(hf_state: dict):
+    return {name: tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor
+            for name, tensor in hf_state.items()
+            if not name.endswith((".attn.bias", ".attn.masked_bias"))}  # old versions' masks
+
+# OpenAI's Conv1D weights, (in, out): nn.Linear wants (out, in)
+OPENAI_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
+                     "mlp.c_proj.weight")
+
+
+def check_weights_fit(weights: dict, model_config: GPTConfig, source, flag):
+    with torch.device("meta"):  # shapes alone
+        wanted = {name: tuple(t.shape) for name, t in GPT(model_config).state_dict().items()}
+    given = {name: tuple(t.shape) for name, t in weights.items()}
+    problems = ([f"missing {name}" for name in wanted if name not in given]
+                + [f"unexpected {name}" for name in given if name not in wanted]
+                + [f"{name} is {given[name]}, the model's is {wanted[name]}" for name in wanted
+                   if name in given and given[name] != wanted[name]])
+    if problems:
+        more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise ConfigError(f"{flag} {source} does not fit this model ({'; '.join(problems[:3])}"
+                          f"{more}): the model's code changed since it was saved; start a new "
+                          "run, or use the code that wrote it")
+
+
+def check_resumable(checkpoint: dict, cfg, model_config: GPTConfig):
+    saved = checkpoint_model_config(checkpoint, cfg)
+    differing = [f"{name} {value} -> {getattr(model_config, name)}"
+                 for name, value in vars(saved).items() if value != getattr(model_config, name)]
+    differing += [f"{name} {checkpoint['config'][name]} -> {getattr(cfg, name)}"
+                  for name in ("total_batch_size", "seq_len")  # the data position's unit
+                  if checkpoint["config"][name] != getattr(cfg, name)]
+    if differing:
+        raise ConfigError(f"cannot resume from {checkpoint['path']}: {', '.join(differing)} (they "
+                          "define its weights, schedule and data position): use its values")
+    if (trained_with := checkpoint["config"]["optimizer"]) != cfg.optimizer:
+        raise ConfigError(f"cannot resume from {checkpoint['path']} with --optimizer "
+                          f"{cfg.optimizer}: it holds {trained_with}'s state; resume with "
+                          f"--optimizer {trained_with}, or start a new run from its weights with "
+                          f"--init_from {checkpoint['path']}")
+    check_weights_fit(checkpoint["model"], model_config, checkpoint["path"], "--resume")
+
+
+def open_token_streams(cfg, with_val) -> tuple[TokenStream, TokenStream | None]:
+    """(train, val), checked to hold a step and an evaluation."""
+    if not cfg.data_dir and not cfg.text_file and not os.path.exists(TEXT_FILE):
+        download(TINY_SHAKESPEARE_URL, TEXT_FILE,
+                 "put a text file there, or pass --text_file or --data_dir")
+    streams, T, tokens = load_token_streams(cfg), cfg.seq_len, f"{cfg.total_batch_size:,} tokens"
+    step_windows = cfg.total_batch_size // T
+    more = "more shards" if cfg.data_dir else "--data_dir with fineweb.py's shards"
+    for stream, name, windows, need, fix in [
+        (streams[0], "training", step_windows, f"one step of --total_batch_size {tokens}",
+         f"train on more data ({more}) or lower --total_batch_size (the README's quick start "
+         "trains a small model on tiny Shakespeare)"),
+        (streams[1] if with_val else None, "validation", step_windows * cfg.eval_steps,
+         f"an evaluation of --eval_steps {cfg.eval_steps} steps of {tokens}", f"lower "
+         f"--eval_steps or --total_batch_size, or use more data ({more})")]:
+        held = stream and max(0, stream.num_tokens - 1) // T  # DataLoader's windows
+        if stream and held < windows:
+            raise ConfigError(f"the {name} data holds {stream.num_tokens:,} tokens, {held:,} "
+                              f"windows of {T} + 1, but {need} needs {windows:,}: {fix}")
+    return streams[0], streams[1] if with_val else None
+
+TEXT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "input.txt")
+
+TINY_SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+                        "tinyshakespeare/input.txt")
+
+
+def download(url, path, fix):
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            data = response.read()
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        write_atomically(path, lambda temporary: Path(temporary).write_bytes(data),
+                         then="run the same command again")
+    except OSError as error:
+        raise DownloadError(f"could not download {url} to {path} ({error}): {fix}") from None
+
+
+def write_atomically(path, write, then=RESUME_AUTO):
+    """write(temporary), a file or a folder, then rename it to path: never a half-written file.
+    A file is fsynced first: a crash just after the rename cannot leave it empty."""
+    temporary = f"{os.path.normpath(path)}.{os.uname().nodename}-{os.getpid()}.tmp"
+    try:
+        with failed_write_is_one_line(path, then):
+            write(temporary)
+            if os.path.isfile(temporary):
+                with open(temporary, "rb+") as f:
+                    os.fsync(f.fileno())
+    except BaseException:
+        shutil.rmtree(temporary, ignore_errors=True)
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    os.replace(temporary, path)
+
+
+@contextlib.contextmanager
+def failed_write_is_one_line(path, then):
+    """A failed write (full disk, quota) as one ConfigError naming the folder."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:  # torch.save's RuntimeError wraps the OSError
+        cause = error
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise ConfigError(f"cannot write {path} ({cause.strerror or cause}): make room in "
+                          f"{os.path.dirname(path) or '.'}, then {then}") from None
+
+
+def load_token_streams(cfg) -> tuple[TokenStream, TokenStream]:
+    """(train, val): --data_dir's shards, or the text file split 90/10."""
+    if cfg.data_dir:
+        paths = [find_shards(cfg.data_dir, split) for split in ("train", "val")]
+        return tuple(TokenStream([open_shard(path) for path in group], group) for group in paths)
+    tokens = read_text_tokens(cfg.text_file or TEXT_FILE)
+    split = int(0.9 * len(tokens))
+    return TokenStream([tokens[:split]]), TokenStream([tokens[split:]])
+
+
+def find_shards(data_dir, split):
+    if not os.path.isdir(data_dir):
+        raise ConfigError(f"--data_dir {data_dir} is not a folder: run fineweb.py to make shards, "
+                          "or fix the path")
+    if os.path.exists(os.path.join(data_dir, "INCOMPLETE")):  # fineweb.py's, until done
+        raise ConfigError(f"--data_dir {data_dir} is incomplete (fineweb.py's INCOMPLETE file is "
+                          "there): wait for fineweb.py, or rerun it with --resume")
+    paths = sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.npy")))
+    if not paths:
+        raise ConfigError(f"no {split} shards (*_{split}_*.npy) in --data_dir {data_dir}: "
+                          "run fineweb.py to make them")
+    return paths
+
+
+def open_shard(path):
+    """Memory-mapped: a batch reads the pages it touches, not the whole shard."""
+    try:
+        tokens = np.load(path, mmap_mode="r")
+    except OSError as error:  # a folder, no permission, a bad disk
+        raise ConfigError(f"cannot read shard {path} ({error.strerror or error}): check the file") \
+            from None
+    except (ValueError, EOFError):  # no .npy header: numpy calls it "pickled data"
+        raise ConfigError(f"cannot read shard {path}: it is not a .npy file (empty, cut short or "
+                          "another format): delete it and rerun fineweb.py") from None
+    if tokens.dtype != np.uint16 or tokens.ndim != 1 or len(tokens) < 1:
+        raise ConfigError(f"shard {path} holds {tokens.dtype} of shape {tokens.shape}, not a 1-D "
+                          "uint16 array of tokens: rerun fineweb.py")
+    return tokens
+
+
+def read_text_tokens(path):
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"--text_file {path} does not exist: give a text file, or --data_dir "
+                          "with fineweb.py's shards") from None
+    except (OSError, UnicodeDecodeError) as error:
+        reason = (error.strerror if isinstance(error, OSError)
+                  else f"not UTF-8: {error.reason} at byte {error.start}")
+        raise ConfigError(f"cannot read --text_file {path} ({reason}): give a UTF-8 text file") \
+            from None
+    return np.array(gpt2_tokenizer().encode_ordinary(text), dtype=np.uint16)
+
+
+def gpt2_tokenizer():
+    import tiktoken  # here: importing this file does no work
+    try:
+        return tiktoken.get_encoding("gpt2")
+    except (OSError, ValueError) as error:  # offline; a damaged file
+        raise ConfigError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
+                          "downloads its two files once; connect to the network, or set "
+                          "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
+
+
+def open_hellaswag(cfg, launch, block_size):
+    path = cfg.hellaswag_path or HELLASWAG_CACHE
+    if not os.path.exists(path):
+        download(HELLASWAG_URL, path, "pass --hellaswag_path with a local copy of it")
+    examples, tokenizer = read_hellaswag(path), gpt2_tokenizer()
+    rendered = [render_hellaswag(example, tokenizer)
+                for example in examples[launch.rank :: launch.world_size]]
+    longest = max((tokens.size(1) for tokens, _, _ in rendered), default=0)
+    if longest > block_size:
+        fix = "" if cfg.eval_only else ", or drop --hellaswag_every"
+        raise ConfigError(f"the longest HellaSwag example in {path} takes {longest} tokens, more "
+                          f"than the model's block_size of {block_size}: HellaSwag needs "
+                          f"--block_size {longest} or more{fix}")
+    return pack_hellaswag(rendered, min(HELLASWAG_BATCH_TOKENS, cfg.micro_batch_size * cfg.seq_len))
+
+HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+
+HELLASWAG_CACHE = os.path.expanduser("~/.cache/train_gpt2/hellaswag_val.jsonl")
+
+HELLASWAG_BATCH_TOKENS = 8192  # a scoring batch's, padding included
+
+
+def read_hellaswag(path):
+    """The records: "ctx", 4 "endings", the right one's index "label"."""
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            try:
+                example = json.loads(line)
+                endings = example["endings"]
+                valid = (isinstance(example["ctx"], str) and isinstance(endings, list)
+                         and len(endings) == 4 and all(isinstance(e, str) for e in endings)
+                         and example["label"] in range(4))
+            except (json.JSONDecodeError, KeyError, TypeError):
+                valid = False
+            if not valid:
+                raise ConfigError(f"{path} line {line_number} is not a HellaSwag record (ctx, "
+                                  "4 endings, label 0-3)")
+            examples.append(example)
+    if not examples:
+        raise ConfigError(f"{path} holds no HellaSwag records: give hellaswag_val.jsonl's path")
+    return examples
+
+
+def render_hellaswag(example: dict, tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """tokens (4, L): context then each ending; mask (4, L): 1 on ending tokens."""
+    context = tokenizer.encode_ordinary(example["ctx"])
+    rows = [context + tokenizer.encode_ordinary(" " + ending) for ending in example["endings"]]
+    tokens = torch.zeros(4, max(len(row) for row in rows), dtype=torch.long)
+    mask = torch.zeros_like(tokens)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)] = torch.tensor(row)
+        mask[i, len(context) : len(row)] = 1
+    return tokens, mask, int(example["label"])
+
+
+def pack_hellaswag(rendered: list[tuple], max_tokens):
+    """Batches (tokens, mask (4n, L), labels (n,)) of up to max_tokens, shortest first."""
+    groups = []
+    for example in sorted(rendered, key=lambda example: example[0].size(1)):  # longest last
+        if not groups or 4 * (len(groups[-1]) + 1) * example[0].size(1) > max_tokens:
+            groups.append([])
+        groups[-1].append(example)
+    batches = []
+    for group in groups:
+        length = group[-1][0].size(1)
+        tokens, mask = (torch.cat([F.pad(example[i], (0, length - example[i].size(1)))
+                                   for example in group]) for i in (0, 1))
+        batches.append((tokens, mask, torch.tensor([label for _, _, label in group])))
+    return batches
+
+
+def remove_killed_writes(log_dir):
+    """A write killed part way leaves its temporary file (1.5 GB at 124M)."""
+    for temporary in glob.glob(os.path.join(log_dir, "ckpt_*.pt*.tmp")):
+        os.remove(temporary)
+
+
+# ------------------------------ checkpoints
+def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, device, log):
+    if checkpoint is None:  # returns the step to go on from
+        return 0
+    model.load_state_dict(checkpoint["model"])
+    for optimizer, state in zip(optimizers, checkpoint["optimizer"], strict=True):
+        optimizer.load_state_dict(state)
+    if checkpoint["scaler"]:
+        scaler.load_state_dict(checkpoint["scaler"])
+    loader.windows_consumed = checkpoint["windows_consumed"]
+    if loader.rank < len(checkpoint["rng"]):  # a new rank keeps its seed
+        restore_rng_states(checkpoint["rng"][loader.rank], device)
+    saved, step, tokens = checkpoint["config"], checkpoint["step"], loader.stream.num_tokens
+    if checkpoint["train_tokens"] != tokens:
+        log.info(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
+                 f"{checkpoint['train_tokens']:,}: its data position points at other tokens now; "
+                 "resume with the checkpoint's data to go on exactly")
+    changed = {name: saved.get(name) for name in section_fields("optimizer")
+               if saved.get(name) != getattr(cfg, name)}
+    if changed:  # allowed (to extend a run)
+        old_cfg = dataclasses.replace(cfg, **{k: v for k, v in changed.items() if v is not None})
+        flags = ", ".join(f"--{k} {v} -> {getattr(cfg, k)}" for k, v in changed.items())
+        log.info(f"warning: the optimizer and schedule differ from the checkpoint's ({flags}): "
+                 f"at step {step} the learning rate goes on at {lr_at(step, cfg):.4e} instead of "
+                 f"{lr_at(step, old_cfg):.4e}")
+    log.info(f"resumed from step {step} ({checkpoint['windows_consumed']:,} windows into the data)")
+    return step
+
+
+def restore_rng_states(states, device):
+    torch.set_rng_state(states["torch_cpu"])
+    if states["torch_cuda"] and device.startswith("cuda"):
+        torch.cuda.set_rng_state(states["torch_cuda"][0], device)
+
+
+def section_fields(section):
+    return [f.name for f in dataclasses.fields(TrainConfig) if f.metadata["section"] == section]
+
+
+def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir):
+    """Stop on a loss or norm not finite (float16 skips inf norms), saving nothing."""
+    if math.isfinite(train_loss) and (loss_scaling or math.isfinite(grad_norm)):
+        return
+    saved = checkpoint_paths(log_dir)
+    go_back = (f"go on from {saved[0]} (--resume {saved[0]}), or an older checkpoint if the loss "
+               "was rising there already," if saved else "start again")
+    raise ConfigError(f"training diverged at step {step}: loss {train_loss:.4g}, gradient norm "
+                      f"{grad_norm:.4g}; nothing was saved from this step: {go_back} with a lower "
+                      "--max_lr or more --warmup_steps")
+
+
+def stop_or_fail_together(signalled, sources: list, launch, device):
+    """Whether any rank got a stop signal; raises any rank's problem on all."""
+    problem = next((source.problem for source in sources if source and source.problem), None)
+    flags = [signalled, problem is not None]
+    if launch.torchrun:
+        values = torch.tensor(flags, dtype=torch.float32, device=device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        flags = [bool(value) for value in values.tolist()]
+    if flags[1]:
+        raise_first_problem(gather(problem, launch))
+    return flags[0]
+
+
+def write_checkpoint(cfg, launch, device, model, optimizers, scaler, loader, steps_done):
+    """Rank 0 writes ckpt_<steps_done>.pt; all stop if it could not."""
+    if cfg.shard_optimizer and launch.world_size > 1:
+        for optimizer in optimizers:
+            optimizer.consolidate_state_dict(to=0)  # each rank sends its share
+    rng = gather(rng_states(device), launch)
+
+    def save():
+        state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                 "optimizer": [optimizer.state_dict() for optimizer in optimizers], "rng": rng,
+                 "scaler": scaler.state_dict(), "config": dataclasses.asdict(cfg),
+                 "step": steps_done, "windows_consumed": loader.windows_consumed,
+                 "train_tokens": loader.stream.num_tokens}
+        save_checkpoint(os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt"), state, cfg.keep_ckpts)
+    on_every_rank(launch, lambda: launch.rank == 0 and save())
+
+
+def rng_states(device):
+    """torch's generators; on CUDA this GPU's only (a new machine may have fewer)."""
+    return {"torch_cpu": torch.get_rng_state(),
+            "torch_cuda": [torch.cuda.get_rng_state(device)] if device.startswith("cuda") else []}
+
+
+def save_checkpoint(path, state, keep):
+    """The checkpoint and its sha256 (torch.load misses a flipped byte); keeps `keep`."""
+    def save(temporary):  # to a file: given a path, torch.save hides a full disk's OSError
+        with open(temporary, "wb") as f:
+            torch.save(state, f)
+    write_atomically(path, save)
+    write_atomically(f"{path}.sha256",
+                     lambda temporary: Path(temporary).write_text(f"{file_sha256(path)}\n"))
+    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    os.fsync(directory)  # make the renames themselves durable
+    os.close(directory)
+    for old in checkpoint_paths(os.path.dirname(path))[keep:] if keep else []:
+        for stale in glob.glob(glob.escape(old) + "*"):  # with its .sha256
+            os.remove(stale)
+    remove_killed_writes(os.path.dirname(path))
+
+
+# ------------------------------ when a run stops early
+def interrupted_line(cfg):
+    if cfg is None or cfg.export_hf or cfg.generate or cfg.eval_only:  # nothing to save
+        return "stopped by Ctrl-C"
+    saved = checkpoint_paths(cfg.log_dir)
+    lost = (f"the steps after {saved[0]} are lost; to go on from it, {RESUME_AUTO}" if saved
+            else "no checkpoint was written, its steps are lost")
+    return f"stopped at once by a second Ctrl-C: {lost}"
+
+
+def out_of_memory_message(cfg, device, world_size):
+    if cfg.generate:
+        return f"out of memory on {device} while generating: lower --num_samples"
+    where = f"out of memory on {device} at micro batch {cfg.micro_batch_size} x {cfg.seq_len}"
+    smaller = micro_batch_that_divides(cfg, world_size, cfg.micro_batch_size - 1)  # trains the same
+    savers = [flag for flag, on in (("--loss_chunk_size 8192", cfg.loss_chunk_size),
+                                    ("--recompute", cfg.recompute)) if not on]
+    if smaller:
+        return (f"{where}: lower --micro_batch_size to {smaller} (a step stays "
+                f"{cfg.total_batch_size:,} tokens, in more micro-steps)"
+                + (", or add --loss_chunk_size 8192" if not cfg.loss_chunk_size else ""))
+    add = f"add {' or '.join(savers)}, " if savers else ""
+    return f"{where}: {add}lower --seq_len or pick a smaller --model"
 
 
 # ------------------------------ other run modes
 def generate_samples(cfg, device):
     """--generate: the samples, then their speed."""
-    model, tokenizer = load_model(cfg, device), gpt2_tokenizer()
+    model = build_model(cfg, *initial_weights(cfg), device)
+    tokenizer = gpt2_tokenizer()
     autocast = autocast_for(cfg.dtype, device)
-    caches, step = (compiled_step(model, device) if cfg.compile and cfg.kv_cache
-                    else (kv_caches(model, cfg.kv_cache), sample_next))
-    with sdpa_kernel(WITHOUT_CUDNN):
-        started = time.perf_counter()
-        generate(model, tokenizer.encode_ordinary(cfg.prompt), GENERATE_WARMUP_TOKENS, caches,
-                 cfg.num_samples, cfg.temperature, cfg.top_k, cfg.seed, autocast, step)
-        warm_up_s, started = time.perf_counter() - started, time.perf_counter()
-        texts = print_samples(model, tokenizer, cfg, autocast, caches, step)
-        timed_s = time.perf_counter() - started
+    caches, next_token = (compiled_step(model, device) if cfg.compile and cfg.kv_cache
+                          else (kv_caches(model, cfg.kv_cache), sample_next))
+    started = time.perf_counter()
+    generate(model, tokenizer.encode_ordinary(cfg.prompt), GENERATE_WARMUP_TOKENS, caches,
+             cfg.num_samples, cfg.temperature, cfg.top_k, cfg.seed, autocast, next_token)
+    warm_up_s, started = time.perf_counter() - started, time.perf_counter()
+    texts = print_samples(model, tokenizer, cfg, autocast, caches, next_token)
+    timed_s = time.perf_counter() - started
     tokens = cfg.num_samples * cfg.max_new_tokens
     print(f"{tokens:,} tokens in {timed_s:.2f} s: {tokens / timed_s:,.1f} tokens/s (KV cache "
           f"{'on' if cfg.kv_cache else 'off'}, compile {'on' if cfg.compile else 'off'}, "
@@ -1684,22 +1735,38 @@ def generate_samples(cfg, device):
           f"{GENERATE_WARMUP_TOKENS} tokens a sample: {warm_up_s:.2f} s", flush=True)
     return texts
 
+GENERATE_WARMUP_TOKENS = 3  # --generate's untimed first call
+
+COMPILED_STEPS = weakref.WeakKeyDictionary()  # (caches, next_token) a model
+
+
+def compiled_step(model: GPT, device) -> tuple:
+    """(caches, next_token) for generate(): sample_next compiled once."""
+    if model not in COMPILED_STEPS:
+        compiled = torch.compile(sample_next, fullgraph=True,
+                                 mode="reduce-overhead" if device.startswith("cuda") else None)
+
+        def next_token(model, idx, caches, positions, noise, temperature):
+            for cache in caches:  # the graph reads them in place
+                torch._dynamo.mark_static_address(cache.keys, guard=False)
+                torch._dynamo.mark_static_address(cache.values, guard=False)
+            # a copy: the graph's next run overwrites its last output
+            return compiled(model, idx.clone(), caches, positions, noise, temperature)
+        COMPILED_STEPS[model] = (kv_caches(model), next_token)
+    return COMPILED_STEPS[model]
+
 
 def evaluate_only(cfg, launch, device):
     """Val loss and HellaSwag accuracy (if its file can be had)."""
-    problem, hellaswag, missing = None, None, None
-    try:
+    def read():
         _, val_tokens = open_token_streams(cfg, with_val=True)
-        model = load_model(cfg, device)
+        model = build_model(cfg, *initial_weights(cfg), device)
         try:
-            hellaswag = open_hellaswag(cfg, launch, model.config.block_size)
+            return val_tokens, model, open_hellaswag(cfg, launch, model.config.block_size), None
         except DownloadError as error:
-            missing = f"HellaSwag skipped: {error}"
-    except ConfigError as error:
-        problem = str(error)
-    posts = gather((problem, missing), launch)
-    raise_first_problem([problem for problem, _ in posts])
-    missing = next((missing for _, missing in posts if missing), None)  # all skip it, or none
+            return val_tokens, model, None, f"HellaSwag skipped: {error}"
+    val_tokens, model, hellaswag, missing = on_every_rank(launch, read)
+    missing = next(filter(None, gather(missing, launch)), None)  # all skip it, or none
     autocast, W = autocast_for(cfg.dtype, device), launch.world_size
     val_loader = DataLoader(val_tokens, cfg.micro_batch_size, cfg.seq_len, launch.rank, W,
                             shuffle=False, seed=cfg.seed)
@@ -1709,7 +1776,8 @@ def evaluate_only(cfg, launch, device):
     if missing is None:
         result.update(evaluate_hellaswag(model, hellaswag, device, autocast, launch))
     if launch.rank == 0:
-        print(f"val loss {result['val_loss']:.4f} | " + (missing or f"HellaSwag acc_norm "
+        print(f"val loss {result['val_loss']:.4f} over {cfg.eval_steps} x "
+              f"{cfg.total_batch_size:,} tokens | " + (missing or f"HellaSwag acc_norm "
               f"{result['hellaswag_acc_norm']:.4f} (acc {result['hellaswag_acc']:.4f}) over "
               f"{result['hellaswag_examples']:,} examples"), flush=True)
     return result
@@ -1739,25 +1807,27 @@ def export_hf(cfg):
             raise ConfigError(f"cannot export {cfg.init_from} as GPT-2: its {name} is "
                               f"{shapes[0]}, GPT-2's is {shapes[1]}")
     hf_model.load_state_dict(ours)
-    temporary = f"{os.path.normpath(cfg.export_hf)}.{os.uname().nodename}-{os.getpid()}.tmp"
-    try:
-        with failed_write_is_one_line(cfg.export_hf, "run the same command again"):
-            try:
-                hf_model.save_pretrained(temporary)
-            except SafetensorError as error:  # not an OSError
-                if "I/O error: " not in str(error):
-                    raise
-                raise OSError(str(error).partition("I/O error: ")[2]) from None
-            convert_tiktoken_to_fast(gpt2_tokenizer(), temporary)
-        del hf_model
-        check_export(transformers.GPT2LMHeadModel.from_pretrained(temporary), model_config, state)
-    except BaseException:  # nothing is left at --export_hf
-        shutil.rmtree(temporary, ignore_errors=True)
-        raise
-    os.rename(temporary, cfg.export_hf)
+
+    def write(folder):
+        try:
+            hf_model.save_pretrained(folder)
+        except SafetensorError as error:  # not an OSError
+            if "I/O error: " not in str(error):
+                raise
+            raise OSError(str(error).partition("I/O error: ")[2]) from None
+        convert_tiktoken_to_fast(gpt2_tokenizer(), folder)
+        check_export(transformers.GPT2LMHeadModel.from_pretrained(folder), model_config, state)
+    write_atomically(cfg.export_hf, write, then="run the same command again")
     print(f"wrote {cfg.init_from} to {cfg.export_hf}: load it with AutoTokenizer.from_pretrained"
           f"({cfg.export_hf!r}) and GPT2LMHeadModel.from_pretrained({cfg.export_hf!r})", flush=True)
     return cfg.export_hf
+
+
+def state_to_openai(state, vocab_size):
+    """Our state in transformers' layout, without the padding rows."""
+    return {name: (tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor[:vocab_size]
+                   if name in ("transformer.wte.weight", "lm_head.weight") else tensor).contiguous()
+            for name, tensor in state.items()}
 
 
 def check_export(exported, model_config: GPTConfig, state):
@@ -1774,71 +1844,6 @@ def check_export(exported, model_config: GPTConfig, state):
         raise ConfigError(f"the exported model's logits differ from ours by up to "
                           f"{difference:.3g}: the model no longer matches GPT-2's architecture in "
                           "transformers, so it cannot be exported as GPT-2")
-
-
-# ------------------------------ main
-def launch_from_env(environ) -> Launch:
-    return Launch(int(environ["RANK"]), int(environ["LOCAL_RANK"]), int(environ["WORLD_SIZE"]),
-                  True, int(environ["LOCAL_WORLD_SIZE"])) if "RANK" in environ else Launch()
-
-
-def out_of_memory_message(cfg, device, world_size):
-    if cfg.generate:
-        return f"out of memory on {device} while generating: lower --num_samples"
-    where = f"out of memory on {device} at micro batch {cfg.micro_batch_size} x {cfg.seq_len}"
-    smaller = micro_batch_that_divides(cfg, world_size, cfg.micro_batch_size - 1)  # trains the same
-    savers = [flag for flag, on in (("--loss_chunk_size 8192", cfg.loss_chunk_size),
-                                    ("--recompute", cfg.recompute)) if not on]
-    if smaller:
-        return (f"{where}: lower --micro_batch_size to {smaller} (a step stays "
-                f"{cfg.total_batch_size:,} tokens, in more micro-steps)"
-                + (", or add --loss_chunk_size 8192" if not cfg.loss_chunk_size else ""))
-    add = f"add {' or '.join(savers)}, " if savers else ""
-    return f"{where}: {add}lower --seq_len or pick a smaller --model"
-
-
-@record  # torchrun's summary names the failing rank
-def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str:
-    """Run cfg; under torchrun, all ranks check it together."""
-    launch, settled, notes = launch or launch_from_env(os.environ), cfg, []
-    try:
-        if problem is None:
-            check_config(cfg, launch.world_size)
-            settled, notes = device_settings(cfg, launch)
-    except ConfigError as error:
-        problem = error
-    device = settled.device if problem is None else "cpu"
-    init_distributed(launch, device)
-    try:
-        check_same_command(cfg, problem, launch)  # as given
-        cfg = settled
-        if cfg.export_hf:
-            result = export_hf(cfg)
-        elif cfg.generate:
-            result = generate_samples(cfg, device)
-        elif cfg.eval_only:
-            result = evaluate_only(cfg, launch, device)
-        else:
-            with catching_stop_signals() as stop_signal:
-                result = train(cfg, launch, device, stop_signal, notes)
-    except ConfigError as error:  # on every rank: rank 0 says it
-        if launch.rank == 0:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-        if launch.torchrun:
-            dist.destroy_process_group()
-        sys.exit(2)
-    except KeyboardInterrupt:  # a 2nd Ctrl-C while training, else the 1st
-        if launch.rank == 0:
-            print(interrupted_line(cfg), file=sys.stderr, flush=True)
-        sys.exit(130)
-    except torch.OutOfMemoryError:  # torchrun ends the others
-        print(f"error: {out_of_memory_message(cfg, device, launch.world_size)}", file=sys.stderr,
-              flush=True)
-        sys.exit(2)
-    if launch.torchrun:  # together: PyTorch #179291
-        dist.barrier()
-        dist.destroy_process_group()
-    return result
 
 
 if __name__ == "__main__":

@@ -37,9 +37,9 @@ def main():
     torch.manual_seed(0)
     config = train_gpt2.GPTConfig(args.n_layer, args.n_head, args.n_embd, block_size=1024, vocab_size=50304)
     model = train_gpt2.GPT(config)
-    model.config.loss_chunk_size = args.loss_chunk_size
+    model.loss_chunk_size = args.loss_chunk_size
     if args.recompute:
-        model.config.recompute = True
+        model.recompute = True
     tokens = torch.randint(0, 50304, (args.batch_size, 1024))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
     started = time.perf_counter()

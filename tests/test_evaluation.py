@@ -386,7 +386,8 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer_and_data(one
 
 def test_init_from_refuses_shape_flags(tmp_path):
     result = run_script(["--init_from", "gpt2", "--n_layer", "4", "--generate", "--log_dir", str(tmp_path / "log")])
-    assert result.stderr.strip() == "error: --init_from gpt2 sets the model's shape: drop --n_layer"
+    assert result.stderr.strip() == ("error: --init_from gpt2 is a model of n_layer 12, n_head 12, n_embd 768, "
+                                     "block_size 1024, vocab_size 50257: drop --n_layer 4")
 
 
 def test_cached_decoding_gives_the_same_logits_and_tokens():
@@ -539,7 +540,7 @@ def test_eval_only_on_a_runs_checkpoint_takes_its_batch_shape_and_without_hellas
     val_loss = [r["val_loss"] for r in trained.records if "val_loss" in r][-1]
     assert result == {"val_loss": val_loss}  # the same weights on the same windows
     assert capsys.readouterr().out == (
-        f"val loss {val_loss:.4f} | HellaSwag skipped: could not download http://127.0.0.1:9/hellaswag_val.jsonl "
+        f"val loss {val_loss:.4f} over 2 x 256 tokens | HellaSwag skipped: could not download http://127.0.0.1:9/hellaswag_val.jsonl "
         f"to {tmp_path / 'cache' / 'hellaswag_val.jsonl'} (<urlopen error [Errno 111] Connection refused>): pass "
         "--hellaswag_path with a local copy of it\n")
     assert t.parse_args(["--init_from", str(tmp_path / "log" / "ckpt_3.pt"), "--seq_len", "16"]).seq_len == 16

@@ -163,17 +163,17 @@ def assert_loss_falls_when_the_target_logit_rises(model):
     generator = torch.Generator().manual_seed(0)
     idx = torch.randint(0, model.config.vocab_size, (2, model.config.block_size), generator=generator)
     sevens = torch.full_like(idx, 7)  # the target everywhere
-    chunk_size = model.config.loss_chunk_size
+    chunk_size = model.loss_chunk_size
     try:
         for loss_chunk_size in (0, 5):
-            model.config.loss_chunk_size = edited.config.loss_chunk_size = loss_chunk_size
+            model.loss_chunk_size = edited.loss_chunk_size = loss_chunk_size
             plain, raised = (m(idx, sevens)[1].item() for m in (model, edited))
             assert raised < plain, (
                 f"the loss must fall when the logit of the target rises (the edit to GPT.logits must reach the "
                 f"loss, plain and chunked): with loss_chunk_size {loss_chunk_size} it is {plain:.4f}, and "
                 f"{raised:.4f} with the target's logit raised by 100")
     finally:
-        model.config.loss_chunk_size = chunk_size
+        model.loss_chunk_size = chunk_size
 
 
 def test_attention_is_causal():
@@ -204,7 +204,7 @@ def test_flops_per_token_of_gpt2_is_about_860_million():
 
 def loss_and_gradients(chunk_size, autocast_dtype=None, make_model=tiny_model):
     model = make_model(vocab_size=300)
-    model.config.loss_chunk_size = chunk_size
+    model.loss_chunk_size = chunk_size
     generator = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, 300, (3, 16), generator=generator), torch.randint(0, 300, (3, 16), generator=generator)
     with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
@@ -243,7 +243,7 @@ def test_chunked_loss_without_gradients_is_the_plain_loss():
     x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
     with torch.no_grad():
         _, plain = model(x, y)
-        model.config.loss_chunk_size = 5
+        model.loss_chunk_size = 5
         logits, chunked = model(x, y)
     assert logits is None
     torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=0)
@@ -255,7 +255,7 @@ def test_the_loss_is_chunked_only_when_asked_on_every_device(flags, expected):
     """The CPU's default loss was chunked (its own code path) while the GPU's was not: an edit to the logits tried
     on a laptop changed nothing there."""
     cfg, _ = t.device_settings(t.parse_args(["--n_layer", "1", "--n_head", "1", "--n_embd", "8"] + flags), t.Launch())
-    assert t.load_model(cfg, "cpu").config.loss_chunk_size == expected
+    assert t.build_model(cfg, *t.initial_weights(cfg), "cpu").config.loss_chunk_size == expected
 
 
 @pytest.mark.parametrize("chunk_size, recompute", [(0, False), (5, False), (0, True)])
@@ -264,7 +264,7 @@ def test_the_training_forward_is_one_graph_for_torch_compile(chunk_size, recompu
     aot_eager captures and splits forward from backward as inductor does, without generating kernels, so the loss
     is the eager one exactly."""
     model = tiny_model(vocab_size=300)
-    model.config.loss_chunk_size, model.config.recompute = chunk_size, recompute
+    model.loss_chunk_size, model.recompute = chunk_size, recompute
     x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         _, captured = torch.compile(model, fullgraph=True, backend="aot_eager")(x, y)
@@ -285,7 +285,7 @@ def test_recompute_runs_each_block_again_in_backward_for_the_same_loss_and_gradi
         block.register_forward_pre_hook(lambda *args: block_calls.append(1))  # recomputing may stop early
     results = []
     for recompute in (False, True):
-        model.config.recompute = recompute
+        model.recompute = recompute
         model.zero_grad()
         block_calls.clear()
         _, loss = model(x, y)

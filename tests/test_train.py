@@ -351,7 +351,7 @@ def test_a_fresh_run_logs_the_val_loss_before_step_0_and_a_resumed_one_does_not(
     """The curve's first point: the untrained model's loss on the validation windows, logged at step -1."""
     first = run(["--max_steps", "2", "--eval_every", "2", "--eval_steps", "1"], tmp_path)
     cfg = t.parse_args(TINY_ARGS + ["--eval_steps", "1"])
-    untrained, (_, val_tokens) = t.load_model(cfg, "cpu"), t.open_token_streams(cfg, with_val=True)
+    untrained, (_, val_tokens) = t.build_model(cfg, *t.initial_weights(cfg), "cpu"), t.open_token_streams(cfg, with_val=True)
     val_loader = t.DataLoader(val_tokens, cfg.micro_batch_size, cfg.seq_len, 0, 1, shuffle=False, seed=cfg.seed)
     expected = t.estimate_val_loss(untrained, val_loader, 1, t.grad_accum_steps(cfg, 1), "cpu",
                                    contextlib.nullcontext, t.Launch())
