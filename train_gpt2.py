@@ -3,8 +3,8 @@
     python train_gpt2.py                                       # one device (CUDA, MPS or CPU)
     torchrun --standalone --nproc_per_node=8 train_gpt2.py     # one machine, 8 processes
 
-Read it down to the one "# ====" banner: config, model, data, distributed setup, optimizer and
-schedule, train(), evaluation and sampling. After the banner, the machinery a real run needs.
+Read it down to the one "# ====" banner: the model, data, distributed setup, optimizer and
+schedule, the training config and train(), evaluation and sampling. Then the machinery.
 """
 
 import contextlib
@@ -38,6 +38,23 @@ class GPTConfig:
     dropout: float = 0.0  # not the weights': --init_from and --resume take this run's --dropout
 
 
+def visible(query_positions, key_positions, key_tokens) -> torch.Tensor:
+    """Which keys each query may see, (B, 1, Tq, Tk) or (Tq, Tk): the one definition, read by
+    training, evaluation and the cache. query_positions (Tq,); key j is at key_positions[j] (Tk,),
+    = j, and holds key_tokens[:, j] (B, Tk). GPT-2: itself and every earlier position."""
+    return key_positions <= query_positions[:, None]
+
+
+@functools.cache
+def visible_is_causal(block_size: int) -> bool:
+    """Whether visible() says causal alone, asked of tokens with <|endoftext|> every 7th: then
+    training runs SDPA's fused causal kernel, which makes no mask."""
+    positions = torch.arange(block_size, device="cpu")
+    tokens = torch.where(positions % 7 == 3, END_OF_TEXT, positions).expand(2, -1)
+    causal = torch.ones(block_size, block_size, dtype=torch.bool, device="cpu").tril()
+    return bool((visible(positions, positions, tokens) == causal).all())
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -45,22 +62,27 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # query, key, value in one matmul
         self.c_proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.fused_causal = visible_is_causal(config.block_size)
 
-    def forward(self, x, positions, cache: "KVCache | None" = None):
-        """x (B, T, C) at positions (T,), where the cache writes (GPT-2 adds its positions at the
-        input; rotary embeddings would turn q and k here). cache: this layer's, when generating."""
+    def forward(self, x, positions, tokens, cache: "KVCache | None" = None):
+        """x (B, T, C) of tokens (B, T) at positions (T,), where the cache writes (GPT-2 adds its
+        positions at the input; rotary embeddings would turn q and k here)."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim): each head attends with its own slice of C
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        mask = None  # training: causal, each position sees itself and those before
-        if cache is not None:  # generating: every key and value so far, and which each q sees
-            k, v, mask = cache.update(positions, k, v)
+        key_positions = positions
+        if cache is not None:  # generating: the keys and values so far, key j at position j
+            k, v, tokens = cache.update(positions, tokens, k, v)
+            key_positions = torch.arange(k.size(2), device=k.device)
+        fused = cache is None and self.fused_causal  # the keys are the queries: no mask to make
+        mask = None if fused else visible(positions, key_positions, tokens)
         # softmax(q k^T / sqrt(head_dim)) v, in one fused kernel (flash attention on a GPU)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=fused,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
         return self.resid_dropout(self.c_proj(y))
+
 
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
@@ -84,8 +106,8 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, cache=None):
-        x = x + self.attn(self.ln_1(x), positions, cache)
+    def forward(self, x, positions, tokens, cache=None):
+        x = x + self.attn(self.ln_1(x), positions, tokens, cache)
         return x + self.mlp(self.ln_2(x))
 
 class GPT(nn.Module):
@@ -140,13 +162,12 @@ class GPT(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
+        recompute = self.recompute and torch.is_grad_enabled()  # keep x alone, rerun in backward
         for block, cache in zip(self.transformer.h, caches or [None] * len(self.transformer.h),
                                 strict=True):
-            if self.recompute and torch.is_grad_enabled():
-                # keeps x alone for backward, and reruns the block there
-                x = torch.utils.checkpoint.checkpoint(block, x, positions, use_reentrant=False)
-            else:
-                x = block(x, positions, cache)
+            args = (x, positions, idx, cache)  # the block's one argument list
+            x = (torch.utils.checkpoint.checkpoint(block, *args, use_reentrant=False) if recompute
+                 else block(*args))
         return self.transformer.ln_f(x)
 
     def logits(self, x):
@@ -167,23 +188,22 @@ class GPT(nn.Module):
 
 class KVCache:
     """One layer's keys and values while generating, for all block_size positions, as attention
-    makes them: a new token reads the earlier ones'; every one-token step has the same shapes."""
+    makes them, and their tokens for visible(): every one-token step has the same shapes."""
 
     def __init__(self, block_size: int):
-        self.block_size, self.keys, self.values = block_size, None, None
+        self.block_size, self.keys, self.values, self.tokens = block_size, None, None, None
 
-    def update(self, positions, k, v) -> tuple:
-        """Write k, v (B, heads, T, head_dim) at positions (T,); return all keys and values (B,
-        heads, block_size, head_dim) and which each query sees (T, block_size): itself, earlier."""
-        kept = []
-        for old, new in ((self.keys, k), (self.values, v)):
-            shape = (*new.shape[:2], self.block_size, *new.shape[3:])
+    def update(self, positions, tokens, k, v) -> tuple:
+        """Write k, v (B, heads, T, head_dim) and tokens (B, T) at positions (T,); return all
+        keys, values (B, heads, block_size, head_dim) and tokens (B, block_size)."""
+        def write(old, new, dim):  # dim: the positions'
+            shape = (*new.shape[:dim], self.block_size, *new.shape[dim + 1 :])
             if old is None or (old.shape, old.dtype) != (shape, new.dtype):
                 old = new.new_zeros(shape)  # not empty: a masked 0 x NaN would be NaN
-            kept.append(old.index_copy_(2, positions, new))
-        self.keys, self.values = kept
-        visible = positions[:, None] >= torch.arange(self.block_size, device=positions.device)
-        return self.keys, self.values, visible
+            return old.index_copy_(dim, positions, new)
+        self.keys, self.values = write(self.keys, k, 2), write(self.values, v, 2)
+        self.tokens = write(self.tokens, tokens, 1)
+        return self.keys, self.values, self.tokens
 
 
 def kv_caches(model: GPT, use_cache=True) -> list[KVCache] | None:
@@ -560,7 +580,10 @@ def estimate_val_loss(model, loader, eval_steps, accum_steps, device, autocast, 
         for _ in range(accum_steps):
             x, y = (to_device(batch, device) for batch in loader.next_batch())
             with autocast():
-                step_losses[step] += model(x, y)[1] / accum_steps
+                logits = model(x)[0]
+            # next-token cross-entropy from the logits, whatever else training's loss may add
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+            step_losses[step] += loss / accum_steps
     model.train()
     return all_reduce_mean(step_losses, launch).mean().item()
 
@@ -752,12 +775,11 @@ def parse_args(argv: list[str]) -> TrainConfig:
     cfg = TrainConfig(**{**MODEL_SHAPES[given.get("model", "gpt2")], **given})
     model_config, run_config = init_from_settings(cfg.init_from)
     model_flags = {name for name in model_config if hasattr(cfg, name) and name != "dropout"}
-    clashes = [f"--{name} {given[name]}" for name in model_flags & given.keys()
-               if given[name] != model_config[name]]
-    if clashes:  # the weights are of its shape
-        raise ConfigError(f"--init_from {cfg.init_from} is a model of " + ", ".join(
-            f"{name} {value}" for name, value in model_config.items() if name in model_flags)
-            + f": drop {' '.join(sorted(clashes))}")
+    clashes = sorted(name for name in model_flags & given.keys() if given[name] != model_config[name])
+    if clashes:  # its weights are of its shape
+        raise ConfigError(f"--init_from {cfg.init_from} has " + ", ".join(
+            f"{name} {model_config[name]}" for name in clashes) + ": drop " + " ".join(
+            f"--{name} {given[name]}" for name in clashes))
     taken = {name: model_config[name] for name in model_flags}
     if cfg.eval_only:  # evaluated on windows and steps of its run's size (said in the result)
         taken |= {name: run_config[name] for name in run_config if name not in given and name in
@@ -1737,7 +1759,6 @@ def generate_samples(cfg, device):
 
 GENERATE_WARMUP_TOKENS = 3  # --generate's untimed first call
 
-COMPILED_STEPS = weakref.WeakKeyDictionary()  # (caches, next_token) a model
 
 
 def compiled_step(model: GPT, device) -> tuple:
@@ -1750,10 +1771,14 @@ def compiled_step(model: GPT, device) -> tuple:
             for cache in caches:  # the graph reads them in place
                 torch._dynamo.mark_static_address(cache.keys, guard=False)
                 torch._dynamo.mark_static_address(cache.values, guard=False)
+                torch._dynamo.mark_static_address(cache.tokens, guard=False)
             # a copy: the graph's next run overwrites its last output
             return compiled(model, idx.clone(), caches, positions, noise, temperature)
         COMPILED_STEPS[model] = (kv_caches(model), next_token)
     return COMPILED_STEPS[model]
+
+
+COMPILED_STEPS = weakref.WeakKeyDictionary()  # (caches, next_token) a model
 
 
 def evaluate_only(cfg, launch, device):

@@ -1,6 +1,7 @@
 import contextlib
 import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -71,12 +72,13 @@ def test_residual_projections_get_scaled_init():
 # positions from 0 fails the cache's)
 
 def assert_causal(model):
-    """A position's logits do not change when only later tokens do, exactly."""
+    """A position's logits do not change when only later tokens do, to rounding (an MoE's routing sums its experts
+    in another order: 6e-8 apart)."""
     vocab_size, length = model.config.vocab_size, model.config.block_size
     idx = torch.randint(0, vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
     changed = idx.clone()
     changed[0, 10:] = (changed[0, 10:] + 1) % vocab_size  # change only the future after position 9
-    torch.testing.assert_close(model(idx)[0][:, :10], model(changed)[0][:, :10], rtol=0, atol=0,
+    torch.testing.assert_close(model(idx)[0][:, :10], model(changed)[0][:, :10], rtol=0, atol=1e-5,
                                msg=named("the logits at positions 0-9 changed with the tokens after position 9"))
 
 
@@ -144,8 +146,9 @@ def assert_every_path_runs_under_bfloat16(make_model):
 
 
 def favouring_seven(model):
-    """A copy of model with an edit to GPT.logits: token 7's logit raised by 100 wherever the model makes logits."""
-    edited = copy.deepcopy(model)  # the tie of lm_head to wte kept
+    """model with an edit to GPT.logits: token 7's logit raised by 100 wherever the model makes logits. A shallow
+    copy: the same modules and weights (deepcopy fails on a module holding a non-leaf tensor, a hacker's loss)."""
+    edited = copy.copy(model)
 
     class FavourSeven(type(model)):
         def logits(self, x):
@@ -156,9 +159,22 @@ def favouring_seven(model):
     return edited
 
 
+def skip_unless_the_loss_is_cross_entropy(model):
+    """The loss checks below assume that forward's loss is the cross-entropy of its logits; a hacker's label
+    smoothing or auxiliary loss is not, and is skipped, saying so."""
+    idx = torch.randint(0, model.config.vocab_size, (2, model.config.block_size), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits, loss = model(idx, idx.roll(-1, 1))
+        plain = F.cross_entropy(logits.flatten(0, 1).float(), idx.roll(-1, 1).flatten())
+    if not torch.allclose(loss, plain, rtol=1e-5, atol=0):
+        pytest.skip(f"this check assumes the training loss is the logits' cross-entropy ({plain.item():.4f}); "
+                    f"forward's is {loss.item():.4f}")
+
+
 def assert_loss_falls_when_the_target_logit_rises(model):
-    """The loss, plain and chunked, comes from GPT.logits: raising the target's logit there lowers it, whatever
-    the loss is (cross-entropy, or a hacker's with a z-loss or soft-capped logits)."""
+    """The loss, plain and chunked, comes from GPT.logits: raising the target's logit there lowers it (assumes a
+    loss that is cross-entropy, as with a z-loss or soft-capped logits; a smoothed one is skipped)."""
+    skip_unless_the_loss_is_cross_entropy(model)
     edited = favouring_seven(model)
     generator = torch.Generator().manual_seed(0)
     idx = torch.randint(0, model.config.vocab_size, (2, model.config.block_size), generator=generator)
@@ -215,6 +231,7 @@ def loss_and_gradients(chunk_size, autocast_dtype=None, make_model=tiny_model):
 
 
 def assert_chunked_loss_equals_the_plain_loss_and_gradients(chunk_size, make_model=tiny_model):
+    skip_unless_the_loss_is_cross_entropy(make_model())  # the chunked loss is cross-entropy
     plain_loss, plain_grads = loss_and_gradients(0, make_model=make_model)
     chunked_loss, chunked_grads = loss_and_gradients(chunk_size, make_model=make_model)
     torch.testing.assert_close(chunked_loss, plain_loss, rtol=1e-6, atol=0, msg=named("the chunked loss"))
@@ -255,7 +272,7 @@ def test_the_loss_is_chunked_only_when_asked_on_every_device(flags, expected):
     """The CPU's default loss was chunked (its own code path) while the GPU's was not: an edit to the logits tried
     on a laptop changed nothing there."""
     cfg, _ = t.device_settings(t.parse_args(["--n_layer", "1", "--n_head", "1", "--n_embd", "8"] + flags), t.Launch())
-    assert t.build_model(cfg, *t.initial_weights(cfg), "cpu").config.loss_chunk_size == expected
+    assert t.build_model(cfg, *t.initial_weights(cfg), "cpu").loss_chunk_size == expected
 
 
 @pytest.mark.parametrize("chunk_size, recompute", [(0, False), (5, False), (0, True)])
@@ -365,15 +382,16 @@ class GroupedQueryAttention(torch.nn.Module):
         self.kv = torch.nn.Linear(config.n_embd, 2 * self.n_kv_head * self.head_dim)
         self.c_proj = torch.nn.Linear(config.n_embd, config.n_embd)
 
-    def forward(self, x, positions, cache=None):
+    def forward(self, x, positions, tokens, cache=None):
         B, T, C = x.shape
         q = self.q(x).float().view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).float().view(B, T, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)
-        mask = None
+        key_positions = positions
         if cache is not None:
-            k, v, mask = cache.update(positions, k, v)  # (B, 2, block_size, head_dim)
+            k, v, tokens = cache.update(positions, tokens, k, v)  # (B, 2, block_size, head_dim)
+            key_positions = torch.arange(k.size(2))
         k, v = (kv.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for kv in (k, v))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=t.visible(positions, key_positions, tokens))
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -438,15 +456,16 @@ class RotaryAttention(t.CausalSelfAttention):
     def rotary_positions(self, positions, T):
         return positions
 
-    def forward(self, x, positions, cache=None):
+    def forward(self, x, positions, tokens, cache=None):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for z in (q, k, v))
         q, k = (rotate(z, self.rotary_positions(positions, T)) for z in (q, k))
-        mask = None
+        key_positions = positions
         if cache is not None:
-            k, v, mask = cache.update(positions, k, v)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+            k, v, tokens = cache.update(positions, tokens, k, v)
+            key_positions = torch.arange(k.size(2))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=t.visible(positions, key_positions, tokens))
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -511,3 +530,136 @@ def test_a_swiglu_mlp_passes_every_check_a_hacker_runs(one_thread):
     assert_every_path_runs_under_bfloat16(make_model)
     assert_loss_falls_when_the_target_logit_rises(make_model())
     assert_chunked_loss_equals_the_plain_loss_and_gradients(7, make_model)
+
+
+# ------------------------------ which keys a query sees, edited in the one place (issue 55)
+
+VISIBLE = "    return key_positions <= query_positions[:, None]\n"  # visible()'s body in the file
+SLIDING_WINDOW = "    return (key_positions <= query_positions[:, None]) & (query_positions[:, None] - key_positions < 16)\n"
+DOCUMENT_MASK = ("    documents = (key_tokens == END_OF_TEXT).cumsum(-1)  # (B, Tk): each key's document\n"
+                 "    same = documents[:, query_positions, None] == documents[:, None, :]  # (B, Tq, Tk)\n"
+                 "    return ((key_positions <= query_positions[:, None]) & same)[:, None]\n")
+
+
+def edited_module(tmp_path, *edits):
+    """train_gpt2.py with each (old, new) text replaced once, imported as its own module, as a hacker's copy."""
+    import importlib.util
+
+    source = (Path(t.__file__)).read_text()
+    for old, new in edits:
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    path = tmp_path / f"edited_{abs(hash(edits))}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def with_documents(length=64, every=13):
+    """(2, length) tokens below 300, with <|endoftext|> every `every` tokens from a different start in each row."""
+    tokens = torch.randint(0, 300, (2, length), generator=torch.Generator().manual_seed(0))
+    tokens[0, 5::every], tokens[1, 9::every] = t.END_OF_TEXT, t.END_OF_TEXT
+    return tokens
+
+
+def edited_tiny(module, seed=0):
+    torch.manual_seed(seed)
+    return module.GPT(module.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=50304))
+
+
+def assert_cache_equals_no_cache_over(model, module, tokens, prompt_length=7):
+    """assert_cache_equals_no_cache on these tokens: the prompt's pass, then a token at a time, to 1e-5."""
+    with torch.no_grad():
+        uncached = model.eval()(tokens)[0]
+        caches = module.kv_caches(model)  # the edited file's cache
+        pieces = [model.logits(model.hidden_states(tokens[:, :prompt_length], caches, torch.arange(prompt_length)))]
+        for position in range(prompt_length, tokens.size(1)):
+            pieces.append(model.logits(model.hidden_states(tokens[:, position:position + 1], caches,
+                                                           torch.tensor([position]))))
+    difference = (torch.cat(pieces, dim=1) - uncached).abs().amax(dim=(0, 2))  # (T,)
+    if (difference > 1e-5).any():
+        first = int((difference > 1e-5).nonzero()[0])
+        raise AssertionError(f"with the KV cache, the logits at position {first} differ from the uncached "
+                             f"forward's by {difference[first].item():.3g}")
+
+
+def assert_recompute_changes_nothing(model, tokens):
+    """--recompute's loss and gradients are the plain ones, bit for bit."""
+    results = []
+    for recompute in (False, True):
+        model.train().zero_grad()
+        model.recompute = recompute
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        results.append((loss.item(), [p.grad.clone() for p in model.parameters()]))
+    assert results[0][0] == results[1][0], f"the loss with --recompute: {results[1][0]}, without: {results[0][0]}"
+    for plain, recomputed in zip(results[0][1], results[1][1], strict=True):
+        torch.testing.assert_close(recomputed, plain, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("edit", ["sliding_window", "document_mask"])
+def test_a_sliding_window_or_document_mask_edited_in_visible_reaches_training_the_cache_and_recompute(
+        tmp_path, one_thread, edit):
+    """A 16-token window, or attention within documents (<|endoftext|> starts one), written once in visible(): the
+    uncached forward (training, validation, HellaSwag) obeys it, the cache gives its logits over 64 tokens (4
+    windows, 4 or 5 documents a row) in float32 to 1e-5, and --recompute trains the same, bit for bit."""
+    module = edited_module(tmp_path, (VISIBLE, SLIDING_WINDOW if edit == "sliding_window" else DOCUMENT_MASK))
+    model, plain = edited_tiny(module), edited_tiny(t)
+    tokens = with_documents()
+    assert not module.visible_is_causal(64) and t.visible_is_causal(64)  # the fused causal kernel: unedited only
+    with torch.no_grad():
+        edited_logits, plain_logits = model.eval()(tokens)[0], plain.eval()(tokens)[0]
+    first = 16 if edit == "sliding_window" else 5  # the first position whose keys the edit takes away
+    torch.testing.assert_close(edited_logits[0, :first], plain_logits[0, :first], rtol=0, atol=1e-6)
+    assert not torch.allclose(edited_logits[0, first:], plain_logits[0, first:], atol=1e-3)  # training sees it
+    assert_causal(model)
+    assert_cache_equals_no_cache_over(model, module, tokens)
+    assert_recompute_changes_nothing(model, tokens)
+
+
+def test_a_window_in_trainings_mask_alone_fails_the_cache_check(tmp_path):
+    """The naive edit: the window put where training's attention makes its mask, not in visible(). Training obeys it,
+    sampling with the cache attends across it: the cache check names the first position past the window."""
+    module = edited_module(tmp_path, (
+        "        mask = None if fused else visible(positions, key_positions, tokens)\n",
+        "        mask = None if fused else visible(positions, key_positions, tokens)\n"
+        "        if cache is None:  # training's mask alone\n"
+        "            mask, fused = (positions[:, None] - positions < 16) & (positions <= positions[:, None]), False\n"))
+    with pytest.raises(AssertionError, match=r"^with the KV cache, the logits at position 16 differ"):
+        assert_cache_equals_no_cache_over(edited_tiny(module), module, with_documents())
+
+
+def test_a_document_mask_whose_tokens_recompute_does_not_pass_fails_the_recompute_check(tmp_path, one_thread):
+    """The naive edit: recompute's call of the block with an argument list of its own, without the tokens the mask
+    reads: --recompute trains another model."""
+    module = edited_module(tmp_path, (VISIBLE, DOCUMENT_MASK), (
+        "            args = (x, positions, idx, cache)  # the block's one argument list\n",
+        "            args = (x, positions, torch.zeros_like(idx) if recompute else idx, cache)\n"))
+    with pytest.raises(AssertionError, match="the loss with --recompute"):
+        assert_recompute_changes_nothing(edited_tiny(module), with_documents())
+
+
+def test_validation_and_hellaswag_score_the_logits_cross_entropy_whatever_the_training_loss_adds(tmp_path):
+    """Label smoothing and an auxiliary loss in forward change training's loss, not the validation loss or HellaSwag:
+    those stay comparable across runs. The loss checks above skip such a model, saying why."""
+    import numpy as np
+
+    module = edited_module(tmp_path, (
+        "        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())\n",
+        "        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), label_smoothing=0.1)\n"
+        "        return logits, loss + 0.01 * x.pow(2).mean()  # an auxiliary loss\n"))
+    edited, plain = edited_tiny(module), edited_tiny(t)
+    tokens = with_documents()
+    assert edited(tokens[:, :-1], tokens[:, 1:])[1].item() != plain(tokens[:, :-1], tokens[:, 1:])[1].item()
+    loader = lambda: t.DataLoader(t.TokenStream([tokens.flatten().numpy().astype(np.uint16)]), 2, 16, 0, 1, False, 0)  # noqa: E731
+    val_losses = [t.estimate_val_loss(m, loader(), 2, 1, "cpu", contextlib.nullcontext, t.Launch()) for m in (edited, plain)]
+    assert val_losses[0] == val_losses[1]
+    mask = torch.zeros(4, 12, dtype=torch.long)
+    mask[:, 6:] = 1
+    batch = [(tokens[:, :12].repeat(2, 1), mask, torch.tensor([1]))]
+    scores = [t.evaluate_hellaswag(m, batch, "cpu", contextlib.nullcontext, t.Launch()) for m in (edited, plain)]
+    assert scores[0] == scores[1]
+    with pytest.raises(pytest.skip.Exception, match="assumes the training loss is the logits' cross-entropy"):
+        assert_loss_falls_when_the_target_logit_rises(edited)

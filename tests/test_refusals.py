@@ -187,24 +187,30 @@ def test_tensorboard_first_turned_on_at_a_resume_writes_the_earlier_records_too(
     assert curves == jsonl_curves(tmp_path)
 
 
-# ------------------------------ a field says what it is where it is declared (issue 51)
+# ------------------------------ a model field a hacker adds: --init_from and --resume (issue 55)
 
-def test_a_training_only_field_a_hacker_adds_is_this_runs_on_resume_and_init_from(tmp_path, monkeypatch):
-    """A dropout added to GPTConfig was ignored by --init_from and made --resume refuse, unless it was also listed in
-    training_settings, which nothing near the fields mentioned. Marked TRAINING_ONLY where it is declared, it is
-    each run's own, and the checkpoint keeps the value it trained with."""
-    added = ("attn_dropout", float, dataclasses.field(default=0.0, metadata=t.TRAINING_ONLY))
+def test_a_model_field_a_hacker_adds_is_the_checkpoints_and_a_differing_flag_is_refused(tmp_path, monkeypatch):
+    """--init_from CKPT --window 4 ran with the saved 16, and a checkpoint field the code did not know was dropped
+    without a word. Every GPTConfig field but dropout is what the weights mean: the checkpoint's, unless a flag given
+    differs, which is refused; derived from GPTConfig's fields, not a list."""
+    added = ("window", int, dataclasses.field(default=0))
     monkeypatch.setattr(t, "GPTConfig", dataclasses.make_dataclass("GPTConfig", [added], bases=(t.GPTConfig,)))
     fields = [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
               for f in dataclasses.fields(t.TrainConfig)]
-    fields.append(("attn_dropout", float, t.flag(0.0, "dropout on attention's weights", "model")))  # at the end
+    fields.append(("window", int, t.flag(0, "keys a query sees; 0: all", "model")))
     monkeypatch.setattr(t, "TrainConfig", dataclasses.make_dataclass("TrainConfig", fields))
-    log = ["--log_dir", str(tmp_path / "log")]
-    t.main(t.parse_args(TINY_ARGS + ["--max_steps", "4", "--stop_after_steps", "2"] + log))
-    resumed = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "4", "--resume", "auto", "--attn_dropout", "0.1"] + log))
-    assert resumed.model.config.attn_dropout == 0.1
-    assert t.load_checkpoint(str(tmp_path / "log" / "ckpt_2.pt"))["model_config"]["attn_dropout"] == 0.0
-    tuned = t.main(t.parse_args(TINY_ARGS_WITHOUT_SHAPE + ["--max_steps", "1", "--warmup_steps", "0", "--init_from",
-                                                 str(tmp_path / "log" / "ckpt_2.pt"),
-                                                 "--attn_dropout", "0.2", "--log_dir", str(tmp_path / "tuned")]))
-    assert tuned.model.config.attn_dropout == 0.2 and tuned.model.config.n_layer == 2
+    log, ckpt = ["--log_dir", str(tmp_path / "log")], str(tmp_path / "log" / "ckpt_2.pt")
+    t.main(t.parse_args(TINY_ARGS + ["--max_steps", "4", "--stop_after_steps", "2", "--window", "16"] + log))
+    tune = TINY_ARGS_WITHOUT_SHAPE + ["--max_steps", "1", "--warmup_steps", "0", "--init_from", ckpt]
+    with pytest.raises(t.ConfigError) as refused:
+        t.parse_args(tune + ["--window", "4", "--n_layer", "2"])  # the same n_layer passes
+    assert str(refused.value) == f"--init_from {ckpt} has window 16: drop --window 4"
+    tuned = t.main(t.parse_args(tune + ["--log_dir", str(tmp_path / "tuned")]))
+    assert tuned.model.config.window == 16 and tuned.model.config.n_layer == 2
+    with pytest.raises(SystemExit):
+        t.main(t.parse_args(TINY_ARGS + ["--max_steps", "4", "--resume", "auto", "--window", "4"] + log))
+    monkeypatch.undo()  # the code without the field, a checkpoint with it
+    with pytest.raises(t.ConfigError) as refused:
+        t.initial_weights(t.parse_args(TINY_ARGS_WITHOUT_SHAPE + ["--init_from", ckpt]))
+    assert str(refused.value) == (f"{ckpt} holds model field(s) window that GPTConfig lacks: add them to GPTConfig, "
+                                  "or use the code that wrote it")
