@@ -7,6 +7,7 @@ Read it down to the one "# ====" banner: the model, data, distributed setup, opt
 schedule, the training config and train(), evaluation and sampling. Then the machinery.
 """
 
+import collections
 import contextlib
 import datetime
 import functools
@@ -19,7 +20,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 GPT2_VOCAB_SIZE = 50257  # the GPT-2 tokenizer's tokens
@@ -47,12 +47,10 @@ def visible(query_positions, key_positions, key_tokens) -> torch.Tensor:
 
 @functools.cache
 def visible_is_causal(block_size: int) -> bool:
-    """Whether visible() says causal alone, asked of tokens with <|endoftext|> every 7th: then
-    training runs SDPA's fused causal kernel, which makes no mask."""
-    positions = torch.arange(block_size, device="cpu")
-    tokens = torch.where(positions % 7 == 3, END_OF_TEXT, positions).expand(2, -1)
-    causal = torch.ones(block_size, block_size, dtype=torch.bool, device="cpu").tril()
-    return bool((visible(positions, positions, tokens) == causal).all())
+    """Whether visible() is causal alone: then training runs SDPA's fused causal kernel, no mask."""
+    at = torch.arange(block_size, device="cpu")
+    tokens = torch.where(at % 7 == 3, END_OF_TEXT, at).expand(2, -1)  # <|endoftext|> every 7th
+    return bool((visible(at, at, tokens) == (at <= at[:, None])).all())
 
 
 class CausalSelfAttention(nn.Module):
@@ -72,9 +70,8 @@ class CausalSelfAttention(nn.Module):
         # (B, T, C) -> (B, n_head, T, head_dim): each head attends with its own slice of C
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         key_positions = positions
-        if cache is not None:  # generating: the keys and values so far, key j at position j
-            k, v, tokens = cache.update(positions, tokens, k, v)
-            key_positions = torch.arange(k.size(2), device=k.device)
+        if cache is not None:  # generating: all keys, values and tokens so far, and their positions
+            k, v, tokens, key_positions = cache.update(positions, tokens, k, v)
         fused = cache is None and self.fused_causal  # the keys are the queries: no mask to make
         mask = None if fused else visible(positions, key_positions, tokens)
         # softmax(q k^T / sqrt(head_dim)) v, in one fused kernel (flash attention on a GPU)
@@ -154,13 +151,11 @@ class GPT(nn.Module):
         return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
     def hidden_states(self, idx, caches: list | None = None, positions=None):
-        """idx (B, T) at positions (T,) (default 0 to T - 1) -> (B, T, n_embd) for logits();
-        caches: one KVCache a layer when generating."""
+        """idx (B, T) at positions (T,), default 0 to T - 1, -> (B, T, n_embd) for logits()."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"{T} tokens, longer than block_size {self.config.block_size}")
-        if positions is None:
-            positions = torch.arange(T, device=idx.device)
+        positions = torch.arange(T, device=idx.device) if positions is None else positions
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
         recompute = self.recompute and torch.is_grad_enabled()  # keep x alone, rerun in backward
         for block, cache in zip(self.transformer.h, caches or [None] * len(self.transformer.h),
@@ -180,8 +175,7 @@ class GPT(nn.Module):
         def summed_loss(x, targets):  # summed: the last slice may be shorter
             return F.cross_entropy(self.logits(x).float(), targets, reduction="sum")
         x, targets = x.flatten(0, 1), targets.flatten()
-        slices = zip(x.split(self.loss_chunk_size),
-                     targets.split(self.loss_chunk_size), strict=True)
+        slices = zip(x.split(self.loss_chunk_size), targets.split(self.loss_chunk_size), strict=True)
         return sum(torch.utils.checkpoint.checkpoint(summed_loss, *pair, use_reentrant=False)
                    for pair in slices) / len(targets)
 
@@ -194,8 +188,8 @@ class KVCache:
         self.block_size, self.keys, self.values, self.tokens = block_size, None, None, None
 
     def update(self, positions, tokens, k, v) -> tuple:
-        """Write k, v (B, heads, T, head_dim) and tokens (B, T) at positions (T,); return all
-        keys, values (B, heads, block_size, head_dim) and tokens (B, block_size)."""
+        """Write k, v (B, heads, T, head_dim) and tokens (B, T) at positions (T,); return all keys,
+        values (B, heads, block_size, head_dim), tokens (B, block_size) and their positions."""
         def write(old, new, dim):  # dim: the positions'
             shape = (*new.shape[:dim], self.block_size, *new.shape[dim + 1 :])
             if old is None or (old.shape, old.dtype) != (shape, new.dtype):
@@ -203,7 +197,7 @@ class KVCache:
             return old.index_copy_(dim, positions, new)
         self.keys, self.values = write(self.keys, k, 2), write(self.values, v, 2)
         self.tokens = write(self.tokens, tokens, 1)
-        return self.keys, self.values, self.tokens
+        return self.keys, self.values, self.tokens, torch.arange(self.block_size, device=k.device)
 
 
 def kv_caches(model: GPT, use_cache=True) -> list[KVCache] | None:
@@ -213,32 +207,20 @@ def kv_caches(model: GPT, use_cache=True) -> list[KVCache] | None:
 
 # ------------------------------ data
 class TokenStream:
-    """Token arrays (the shards) as one sequence. An id beyond GPT-2's (another tokenizer's shard)
-    is clipped and kept as .problem: the run stops at the step's end, on every rank."""
+    """Token arrays (the shards) as one sequence: a read may run across their ends."""
 
-    def __init__(self, arrays: list[np.ndarray], names: list[str] | None = None):
-        self.arrays, self.names = arrays, names or ["the text"] * len(arrays)
-        self.starts = np.cumsum([0] + [len(a) for a in arrays])  # each one's first index
-        self.num_tokens, self.problem = int(self.starts[-1]), None
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays, self.starts = arrays, np.cumsum([0] + [len(a) for a in arrays])
+        self.num_tokens = int(self.starts[-1])
 
-    def read(self, start, count):
-        pieces, end, first = [], start + count, start
-        index = int(np.searchsorted(self.starts, start, side="right")) - 1
-        while start < end:
-            local = start - self.starts[index]
-            pieces.append(self.arrays[index][local : local + end - start])
-            start += len(pieces[-1])
-            index += 1
-        tokens = np.concatenate(pieces).astype(np.int64)
-        if tokens.max() >= GPT2_VOCAB_SIZE:
-            at = int(np.argmax(tokens >= GPT2_VOCAB_SIZE))
-            name = self.names[int(np.searchsorted(self.starts, first + at, side="right")) - 1]
-            self.problem = self.problem or (
-                f"{name} holds token id {tokens[at]}, beyond GPT-2's "
-                f"{GPT2_VOCAB_SIZE} tokens (made with another tokenizer?): remake the shards with "
-                "fineweb.py")
-            np.minimum(tokens, GPT2_VOCAB_SIZE - 1, out=tokens)
-        return tokens
+    def array_at(self, position: int) -> int:
+        return int(np.searchsorted(self.starts, position, side="right")) - 1
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        first, last = self.array_at(start), self.array_at(start + count - 1)
+        return np.concatenate([self.arrays[i][max(0, start - self.starts[i]) :
+                                              start + count - self.starts[i]]
+                               for i in range(first, last + 1)]).astype(np.int64)
 
 
 class DataLoader:
@@ -250,19 +232,18 @@ class DataLoader:
         self.num_windows = max(0, stream.num_tokens - 1) // seq_len
         self.stream, self.batch_size, self.seq_len = stream, batch_size, seq_len
         self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
-        self.windows_consumed = 0
-        self._order_epoch, self._order = None, None
+        self.windows_consumed, self._order = 0, None
 
     @property
     def epoch(self) -> int:
         return self.windows_consumed // self.num_windows
 
     def window_order(self, epoch: int) -> np.ndarray:
-        """This epoch's window order (8 bytes a window, drawn once)."""
-        if self._order_epoch != epoch:
+        """This epoch's window order, drawn once (8 bytes a window)."""
+        if self._order is None or self._order[0] != epoch:
             rng = np.random.default_rng([self.seed, epoch])
-            self._order_epoch, self._order = epoch, rng.permutation(self.num_windows)
-        return self._order
+            self._order = epoch, rng.permutation(self.num_windows)
+        return self._order[1]
 
     def window_start(self, window: int) -> int:
         epoch, index = divmod(window, self.num_windows)
@@ -272,10 +253,9 @@ class DataLoader:
         B, T = self.batch_size, self.seq_len
         first = self.windows_consumed + self.rank * B
         starts = [self.window_start(w) for w in range(first, first + B)]
-        windows = np.stack([self.stream.read(start, T + 1) for start in starts])  # (B, T + 1)
+        windows = torch.from_numpy(np.stack([self.stream.read(at, T + 1) for at in starts]))
         self.windows_consumed += self.world_size * B
-        windows = torch.from_numpy(windows)
-        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # of (B, T + 1)
 
 
 def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
@@ -301,8 +281,7 @@ def init_distributed(launch: Launch, device: str):
         torch.cuda.set_device(device)  # no stray context on GPU 0
     if launch.torchrun:
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        # 20 minutes: for a peer that never arrives (torchrun ends the rest within a second of a
-        # crash); outlasts rank 0 writing a checkpoint alone (minutes at gpt2-xl)
+        # 20 minutes: outlasts rank 0 writing a checkpoint alone (minutes at gpt2-xl)
         dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size,
                                 timeout=datetime.timedelta(minutes=20))
 
@@ -312,8 +291,7 @@ def all_reduce_mean(value: torch.Tensor, launch: Launch) -> torch.Tensor:
     if launch.torchrun:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        value /= launch.world_size
-    return value
+    return value / launch.world_size
 
 
 # ------------------------------ optimizer and schedule
@@ -370,8 +348,7 @@ MODEL_SHAPES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768),
                 "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600)}
 
 
-def flag(default, help: str, section: str, choices=None):
-    """A TrainConfig field: a --flag, listed in --help under the heading `section`."""
+def flag(default, help: str, section: str, choices=None):  # a --flag, in --help's `section`
     return field(default=default, metadata={"help": help, "section": section, "choices": choices})
 
 
@@ -388,11 +365,9 @@ class TrainConfig:
     data_dir: str = flag("", "fineweb.py's .npy shards' folder; empty: --text_file", "data")
     text_file: str = flag("", "text split 90/10 into train/val (default: tiny Shakespeare)", "data")
     shuffle: bool = flag(False, "a new seeded window order each epoch (off: in order)", "data")
-    # 2**19 = 524,288 tokens a step, about GPT-3 small's 0.5M
-    total_batch_size: int = flag(2**19, "tokens per optimizer step, all processes", "batch")
+    total_batch_size: int = flag(2**19, "tokens a step, all processes (GPT-3 small's 0.5M)", "batch")
     micro_batch_size: int = flag(64, "sequences per forward/backward pass per process", "batch")
     seq_len: int = flag(1024, "tokens per training sequence (at most --block_size)", "batch")
-    # GPT-3 small's optimizer and schedule, as build-nanogpt uses them
     optimizer: str = flag("adamw", "muon: for the blocks' matrices; AdamW the rest", "optimizer",
                           ["adamw", "muon"])
     max_lr: float = flag(6e-4, "peak learning rate, reached at the end of warmup", "optimizer")
@@ -449,10 +424,8 @@ def is_due(every: int, steps_done: int, last_step: bool) -> bool:
     return bool(every) and (steps_done % every == 0 or last_step)
 
 
-@dataclass
-class TrainResult:
-    model: GPT  # the plain model: no DDP or compile wrapper
-    records: list[dict]  # what rank 0 logged
+# what train() returns: the plain model (no DDP or compile wrapper), and what rank 0 logged
+TrainResult = collections.namedtuple("TrainResult", ["model", "records"])
 
 
 def build_model(cfg: TrainConfig, model_config: GPTConfig, weights: dict | None, device) -> GPT:
@@ -467,10 +440,7 @@ def build_model(cfg: TrainConfig, model_config: GPTConfig, weights: dict | None,
 def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict, notes=()):
     """Build the model, the data and the optimizer, then train: every rank runs this."""
     log = MetricsLog(cfg.log_dir, launch.rank == 0, cfg.tensorboard)
-    # every rank reads and checks the data, the weights to start from and the checkpoint to
-    # resume: a problem on any stops all, in one line
-    inputs = read_inputs_and_open_log(cfg, launch, log)
-
+    inputs = read_inputs_and_open_log(cfg, launch, log)  # a problem on any rank stops all
     raw_model = build_model(cfg, inputs.model_config, inputs.weights, device)
     # model trains; raw_model is saved, sampled, scored. Compiled: fused kernels, fewer trips to
     # memory. DDP: each process a copy; gradients averaged over processes during backward
@@ -502,10 +472,9 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict, note
                 model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
         if cfg.hellaswag_every:
             evaluate_hellaswag(raw_model, inputs.hellaswag[:1], device, autocast, launch)
-        if cfg.sample_every and launch.rank == 0:
-            generate(raw_model, inputs.tokenizer.encode_ordinary(cfg.prompt), 2,
-                     kv_caches(raw_model, cfg.kv_cache), cfg.num_samples, cfg.temperature,
-                     cfg.top_k, cfg.seed, autocast)
+        if cfg.sample_every and launch.rank == 0:  # 2 tokens: the prompt's pass and a step
+            generate(raw_model, [END_OF_TEXT], 2, kv_caches(raw_model, cfg.kv_cache),
+                     cfg.num_samples, autocast=autocast)
 
     for step in range(start_step, cfg.max_steps):
         started = time.perf_counter()
@@ -538,9 +507,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict, note
         elapsed_ms = (time.perf_counter() - started) * 1000
 
         # the rest is bookkeeping: log, evaluate, checkpoint, sample
+        # a loss or norm not finite stops the run here: every rank holds the same, all stop
         log.train_step(step, cfg, loss, lr, grad_norm, elapsed_ms, train_loader)
-        # all ranks hold the same loss and gradients: if one stops here, all do
-        check_step_finite(step, loss, grad_norm, scaler.is_enabled(), cfg.log_dir)
         steps_done, last_step = step + 1, step + 1 == cfg.max_steps
         if is_due(cfg.eval_every, steps_done, last_step):
             log.evaluation(step, cfg.max_steps, {"val_loss": estimate_val_loss(
@@ -557,11 +525,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict, note
         if launch.rank == 0 and is_due(cfg.sample_every, steps_done, last_step):
             print_samples(raw_model, inputs.tokenizer, cfg, autocast,
                           kv_caches(raw_model, cfg.kv_cache))
-        if stop or pause:
-            reason = "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}"
-            log.info(f"stopped by {reason} after step {step}, checkpoint {cfg.log_dir}/ckpt_"
-                     f"{steps_done}.pt written: to continue, run the same command with "
-                     "--resume auto")
+        if stop or pause:  # the checkpoint was written: say how to go on
+            log.stopped(step, "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}")
             break
 
     log.summary(start_step, cfg, device)
@@ -579,9 +544,8 @@ def estimate_val_loss(model, loader, eval_steps, accum_steps, device, autocast, 
     for step in range(eval_steps):
         for _ in range(accum_steps):
             x, y = (to_device(batch, device) for batch in loader.next_batch())
-            with autocast():
+            with autocast():  # the logits' cross-entropy, whatever training's loss adds
                 logits = model(x)[0]
-            # next-token cross-entropy from the logits, whatever else training's loss may add
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
             step_losses[step] += loss / accum_steps
     model.train()
@@ -623,10 +587,6 @@ def sample_next(model: GPT, idx, caches, positions, noise, temperature: float):
     return top_ids.gather(-1, choice)
 
 
-# cuDNN's attention would plan anew for each length (the prompt's, each window's): 64 tokens/s
-WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
 @torch.no_grad()
 def generate(model: GPT, prompt_tokens: list[int], max_new_tokens: int, caches, num_samples=1,
              temperature=1.0, top_k=50, seed=0, autocast=contextlib.nullcontext,
@@ -641,7 +601,7 @@ def generate(model: GPT, prompt_tokens: list[int], max_new_tokens: int, caches, 
     generator = torch.Generator(device=device).manual_seed(seed)  # training's RNG untouched
     top_k = min(top_k, model.config.vocab_size, GPT2_VOCAB_SIZE)
     position = torch.tensor([len(context)], device=device)  # the newest token's
-    with autocast(), sdpa_kernel(WITHOUT_CUDNN):
+    with autocast():
         for length in range(len(context), tokens.size(1)):  # tokens so far
             noise = torch.empty(num_samples, top_k, device=device).exponential_(generator=generator)
             if caches is None or length > block_size:  # the last block_size tokens, all again
@@ -656,16 +616,6 @@ def generate(model: GPT, prompt_tokens: list[int], max_new_tokens: int, caches, 
             tokens[:, length] = new[:, 0]
     model.train()
     return tokens[:, len(context) :].tolist()
-
-
-def print_samples(model: GPT, tokenizer, cfg, autocast, caches, next_token=sample_next):
-    """Print (and return) --num_samples continuations of --prompt."""
-    samples = generate(model, tokenizer.encode_ordinary(cfg.prompt), cfg.max_new_tokens, caches,
-                       cfg.num_samples, cfg.temperature, cfg.top_k, cfg.seed, autocast, next_token)
-    texts = [cfg.prompt + tokenizer.decode(sample) for sample in samples]
-    for i, text in enumerate(texts):
-        print(f"sample {i}: {text}", flush=True)
-    return texts
 
 
 # ==== The machinery: nothing below is needed to learn or change the algorithm above. ==========
@@ -774,8 +724,9 @@ def parse_args(argv: list[str]) -> TrainConfig:
     given = vars(parser.parse_args(argv))  # only the flags on the command line
     cfg = TrainConfig(**{**MODEL_SHAPES[given.get("model", "gpt2")], **given})
     model_config, run_config = init_from_settings(cfg.init_from)
-    model_flags = {name for name in model_config if hasattr(cfg, name) and name != "dropout"}
-    clashes = sorted(name for name in model_flags & given.keys() if given[name] != model_config[name])
+    model_flags = {name for name in model_config if name != "dropout" and hasattr(cfg, name)}
+    clashes = sorted(name for name in model_flags & given.keys()
+                     if given[name] != model_config[name])
     if clashes:  # its weights are of its shape
         raise ConfigError(f"--init_from {cfg.init_from} has " + ", ".join(
             f"{name} {model_config[name]}" for name in clashes) + ": drop " + " ".join(

@@ -387,9 +387,8 @@ class GroupedQueryAttention(torch.nn.Module):
         q = self.q(x).float().view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k, v = self.kv(x).float().view(B, T, 2, self.n_kv_head, self.head_dim).permute(2, 0, 3, 1, 4)
         key_positions = positions
-        if cache is not None:
-            k, v, tokens = cache.update(positions, tokens, k, v)  # (B, 2, block_size, head_dim)
-            key_positions = torch.arange(k.size(2))
+        if cache is not None:  # (B, 2, block_size, head_dim)
+            k, v, tokens, key_positions = cache.update(positions, tokens, k, v)
         k, v = (kv.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for kv in (k, v))
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=t.visible(positions, key_positions, tokens))
         return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
@@ -463,8 +462,7 @@ class RotaryAttention(t.CausalSelfAttention):
         q, k = (rotate(z, self.rotary_positions(positions, T)) for z in (q, k))
         key_positions = positions
         if cache is not None:
-            k, v, tokens = cache.update(positions, tokens, k, v)
-            key_positions = torch.arange(k.size(2))
+            k, v, tokens, key_positions = cache.update(positions, tokens, k, v)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=t.visible(positions, key_positions, tokens))
         return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
