@@ -175,7 +175,7 @@ class GPT(nn.Module):
         def summed_loss(x, targets):  # summed: the last slice may be shorter
             return F.cross_entropy(self.logits(x).float(), targets, reduction="sum")
         x, targets = x.flatten(0, 1), targets.flatten()
-        slices = zip(x.split(self.loss_chunk_size), targets.split(self.loss_chunk_size), strict=True)
+        slices = zip(*(t.split(self.loss_chunk_size) for t in (x, targets)), strict=True)
         return sum(torch.utils.checkpoint.checkpoint(summed_loss, *pair, use_reentrant=False)
                    for pair in slices) / len(targets)
 
@@ -365,7 +365,7 @@ class TrainConfig:
     data_dir: str = flag("", "fineweb.py's .npy shards' folder; empty: --text_file", "data")
     text_file: str = flag("", "text split 90/10 into train/val (default: tiny Shakespeare)", "data")
     shuffle: bool = flag(False, "a new seeded window order each epoch (off: in order)", "data")
-    total_batch_size: int = flag(2**19, "tokens a step, all processes (GPT-3 small's 0.5M)", "batch")
+    total_batch_size: int = flag(2**19, "tokens a step, all processes (GPT-3 small: 0.5M)", "batch")
     micro_batch_size: int = flag(64, "sequences per forward/backward pass per process", "batch")
     seq_len: int = flag(1024, "tokens per training sequence (at most --block_size)", "batch")
     optimizer: str = flag("adamw", "muon: for the blocks' matrices; AdamW the rest", "optimizer",
@@ -642,6 +642,7 @@ import weakref
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 RESUME_AUTO = "run the same command with --resume auto"
@@ -1044,6 +1045,7 @@ class MetricsLog:
             self.info(line)
 
     def train_step(self, step, cfg, loss, lr, grad_norm, elapsed_ms, loader):
+        """Log the step; a loss or norm not finite stops the run (every rank holds the same)."""
         self.step_ms.append(elapsed_ms)
         tokens_per_s = cfg.total_batch_size * 1000 / elapsed_ms
         record = {"step": step, "train_loss": loss, "lr": lr, "grad_norm": grad_norm,
@@ -1060,6 +1062,11 @@ class MetricsLog:
             self.write({"step": step, "epoch": loader.epoch}, f"step {step:5d}/{cfg.max_steps} | "
                        f"epoch {loader.epoch} begins: all {loader.num_windows:,} training windows "
                        f"were used, starting again{' in a new order' if loader.shuffle else ''}")
+        check_step_finite(step, loss, grad_norm, cfg.dtype == "float16", cfg.log_dir)
+
+    def stopped(self, step, reason):
+        self.info(f"stopped by {reason} after step {step}, checkpoint {os.path.dirname(self.path)}"
+                  f"/ckpt_{step + 1}.pt written: to continue, {RESUME_AUTO}")
 
     def evaluation(self, step, max_steps, scores: dict):
         """Scores after step (-1: before training)."""
@@ -1420,10 +1427,31 @@ def load_token_streams(cfg) -> tuple[TokenStream, TokenStream]:
     """(train, val): --data_dir's shards, or the text file split 90/10."""
     if cfg.data_dir:
         paths = [find_shards(cfg.data_dir, split) for split in ("train", "val")]
-        return tuple(TokenStream([open_shard(path) for path in group], group) for group in paths)
+        return tuple(CheckedTokenStream([open_shard(path) for path in group], group)
+                     for group in paths)
     tokens = read_text_tokens(cfg.text_file or TEXT_FILE)
     split = int(0.9 * len(tokens))
-    return TokenStream([tokens[:split]]), TokenStream([tokens[split:]])
+    return CheckedTokenStream([tokens[:split]]), CheckedTokenStream([tokens[split:]])
+
+
+class CheckedTokenStream(TokenStream):
+    """An id beyond GPT-2's (another tokenizer's shard) is clipped and kept as .problem: the run
+    stops at the step's end, on every rank, naming the shard."""
+
+    def __init__(self, arrays, names=None):
+        super().__init__(arrays)
+        self.names, self.problem = names or ["the text"] * len(arrays), None
+
+    def read(self, start, count):
+        tokens = super().read(start, count)
+        if tokens.max() >= GPT2_VOCAB_SIZE:
+            at = int(np.argmax(tokens >= GPT2_VOCAB_SIZE))
+            self.problem = self.problem or (
+                f"{self.names[self.array_at(start + at)]} holds token id {tokens[at]}, beyond "
+                f"GPT-2's {GPT2_VOCAB_SIZE} tokens (made with another tokenizer?): remake the "
+                "shards with fineweb.py")
+            np.minimum(tokens, GPT2_VOCAB_SIZE - 1, out=tokens)
+        return tokens
 
 
 def find_shards(data_dir, split):
@@ -1662,6 +1690,23 @@ def save_checkpoint(path, state, keep):
     remove_killed_writes(os.path.dirname(path))
 
 
+# ------------------------------ sampling while training
+def print_samples(model: GPT, tokenizer, cfg, autocast, caches, next_token=sample_next):
+    """Print (and return) --num_samples continuations of --prompt."""
+    with sdpa_kernel(WITHOUT_CUDNN):
+        samples = generate(model, tokenizer.encode_ordinary(cfg.prompt), cfg.max_new_tokens,
+                           caches, cfg.num_samples, cfg.temperature, cfg.top_k, cfg.seed,
+                           autocast, next_token)
+    texts = [cfg.prompt + tokenizer.decode(sample) for sample in samples]
+    for i, text in enumerate(texts):
+        print(f"sample {i}: {text}", flush=True)
+    return texts
+
+
+# cuDNN's attention would plan anew for each length (the prompt's, each window's): 64 tokens/s
+WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 # ------------------------------ when a run stops early
 def interrupted_line(cfg):
     if cfg is None or cfg.export_hf or cfg.generate or cfg.eval_only:  # nothing to save
@@ -1696,8 +1741,9 @@ def generate_samples(cfg, device):
     caches, next_token = (compiled_step(model, device) if cfg.compile and cfg.kv_cache
                           else (kv_caches(model, cfg.kv_cache), sample_next))
     started = time.perf_counter()
-    generate(model, tokenizer.encode_ordinary(cfg.prompt), GENERATE_WARMUP_TOKENS, caches,
-             cfg.num_samples, cfg.temperature, cfg.top_k, cfg.seed, autocast, next_token)
+    with sdpa_kernel(WITHOUT_CUDNN):  # as print_samples samples
+        generate(model, tokenizer.encode_ordinary(cfg.prompt), GENERATE_WARMUP_TOKENS, caches,
+                 cfg.num_samples, cfg.temperature, cfg.top_k, cfg.seed, autocast, next_token)
     warm_up_s, started = time.perf_counter() - started, time.perf_counter()
     texts = print_samples(model, tokenizer, cfg, autocast, caches, next_token)
     timed_s = time.perf_counter() - started
@@ -1813,6 +1859,7 @@ def check_export(exported, model_config: GPTConfig, state):
     vocab_size = exported.config.vocab_size
     tokens = torch.randint(0, vocab_size, (2, min(64, model_config.block_size)),
                            generator=torch.Generator().manual_seed(0))
+    tokens[:, 3::8] = END_OF_TEXT  # text of several documents: a document mask must show
     with torch.no_grad():
         expected = ours.eval()(tokens)[0][..., :vocab_size]
         difference = (exported.eval()(tokens).logits - expected).abs().max().item()

@@ -33,7 +33,7 @@ def test_the_map_gives_each_recipe_section_its_lines_and_the_banner_that_ends_th
     assert [(int(first), int(last), name) for first, last, name in rows] == expected, (
         "README.md's map of train_gpt2.py is out of date: its rows should be "
         + "; ".join(f"{first}-{last} {name}" for first, last, name in expected))
-    assert banner <= 601, f"the recipe is {banner - 1} lines, more than 600"
+    assert banner <= 621, f"the recipe is {banner - 1} lines, more than 620"
     assert sum(line.startswith("# ====") for line in SOURCE.splitlines()) == 1
     machinery_row = re.search(r"^\| \d+-\d+ \| machinery \|(.*)$", README, re.M).group(1)
     for _, _, name in sections():
@@ -92,3 +92,26 @@ def test_the_worked_change_passes_the_model_tests_a_hacker_runs(tmp_path):
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "failed" not in result.stdout
+
+
+def test_the_readme_names_torchruns_variables_and_the_rank_that_logs_and_saves():
+    """What the seeds teach first: RANK, LOCAL_RANK (the GPU), WORLD_SIZE, and rank 0 alone logs and saves; the code
+    reads exactly those."""
+    import train_gpt2 as t
+
+    part = README.split("## Multi-GPU and multi-node", 1)[1].split("\n## ", 1)[0]
+    for said in ("`RANK`, the\nprocess's number in the whole job", "`LOCAL_RANK`, its number on its own\nmachine, "
+                 "which picks its GPU", "`WORLD_SIZE`, the processes in all", "Rank 0 alone\nprints, logs and "
+                 "writes checkpoints"):
+        assert said in part, said
+    launch = t.launch_from_env({"RANK": "5", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"})
+    assert (launch.rank, launch.local_rank, launch.world_size, launch.torchrun) == (5, 1, 8, True)
+
+
+def test_the_readmes_sliding_window_is_the_one_the_model_tests_run():
+    """"Changing the model" shows the window as one line in visible(); tests/test_model.py applies that line."""
+    from test_model import SLIDING_WINDOW, VISIBLE
+
+    part = README.split("## Changing the model", 1)[1]
+    window = re.findall(r"```python\n(.*?)```", part, re.S)[1].split("\n", 1)[1]
+    assert window == SLIDING_WINDOW and VISIBLE in SOURCE
