@@ -1,7 +1,7 @@
 """Pretrain GPT-2 from scratch in plain PyTorch, on one device or many.
 
-    python train_gpt2.py                                       # one device (CUDA, MPS or CPU)
-    torchrun --standalone --nproc_per_node=8 train_gpt2.py     # one machine, 8 processes
+    python train_gpt2.py --data_dir edu_fineweb10B         # one device (CUDA, MPS or CPU)
+    torchrun --standalone --nproc_per_node=8 train_gpt2.py --data_dir edu_fineweb10B  # 8 GPUs
 
 Read it down to the one "# ====" banner: the model, data, distributed setup, optimizer and
 schedule, the training config and train(), evaluation and sampling. Then the machinery.
@@ -29,19 +29,19 @@ END_OF_TEXT = 50256  # <|endoftext|>: between documents; an empty prompt starts 
 # ------------------------------ model
 @dataclass
 class GPTConfig:
-    """What the weights mean, and dropout; --n_layer and the rest set the fields of their names."""
+    """The model's shape, which its weights are trained for, and dropout."""
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
     block_size: int = 1024  # positions the model has
     vocab_size: int = 50304  # 50,257 tokens padded to 128 x 393: matmul tiles divide it evenly
-    dropout: float = 0.0  # not the weights': --init_from and --resume take this run's --dropout
+    dropout: float = 0.0  # a training choice, not the weights': each run sets its own
 
 
 def visible(query_positions, key_positions, key_tokens) -> torch.Tensor:
-    """Which keys each query may see, (B, 1, Tq, Tk) or (Tq, Tk): the one definition, read by
-    training, evaluation and the cache. query_positions (Tq,); key j is at key_positions[j] (Tk,),
-    = j, and holds key_tokens[:, j] (B, Tk). GPT-2: itself and every earlier position."""
+    """Which keys each query may see: True where it may, (Tq, Tk) or (B, 1, Tq, Tk). Training, the
+    evaluations and the cache all ask here. Queries at query_positions (Tq,); key j at position j
+    holds token key_tokens[:, j] (B, Tk), for a mask by documents. GPT-2: itself and earlier."""
     return key_positions <= query_positions[:, None]
 
 
@@ -63,8 +63,8 @@ class CausalSelfAttention(nn.Module):
         self.fused_causal = visible_is_causal(config.block_size)
 
     def forward(self, x, positions, tokens, cache: "KVCache | None" = None):
-        """x (B, T, C) of tokens (B, T) at positions (T,), where the cache writes (GPT-2 adds its
-        positions at the input; rotary embeddings would turn q and k here)."""
+        """x (B, T, C) for tokens (B, T) at positions (T,): the cache writes there, visible() reads
+        them (GPT-2 adds positions at the input; rotary embeddings would turn q and k here)."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim): each head attends with its own slice of C
@@ -74,7 +74,7 @@ class CausalSelfAttention(nn.Module):
             k, v, tokens, key_positions = cache.update(positions, tokens, k, v)
         fused = cache is None and self.fused_causal  # the keys are the queries: no mask to make
         mask = None if fused else visible(positions, key_positions, tokens)
-        # softmax(q k^T / sqrt(head_dim)) v, in one fused kernel (flash attention on a GPU)
+        # softmax(q k^T / sqrt(head_dim)) v, fused (flash attention on a GPU when is_causal)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=fused,
                                            dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # heads side by side again
@@ -354,7 +354,7 @@ def flag(default, help: str, section: str, choices=None):  # a --flag, in --help
 
 @dataclass
 class TrainConfig:
-    """Every --flag. Defaults: GPT-2 124M as build-nanogpt trains it, on 10B FineWeb-Edu tokens."""
+    """Every --flag. Defaults: GPT-2 124M as build-nanogpt trains it (--data_dir: FineWeb-Edu)."""
     model: str = flag("gpt2", "GPT-2 shape: sets the 3 below", "model", list(MODEL_SHAPES))
     n_layer: int = flag(12, "transformer blocks", "model")
     n_head: int = flag(12, "attention heads", "model")
@@ -458,7 +458,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict, note
 
     optimizers = configure_optimizers(raw_model, cfg, fused=device.startswith("cuda"),
                                       sharded=cfg.shard_optimizer and W > 1)
-    # float16 needs its loss scaled (its smallest numbers are large); bfloat16 does not
+    # float16's narrow range: small gradients underflow unless the loss is scaled; bfloat16's not
     scaler = torch.amp.GradScaler(device.split(":")[0], enabled=cfg.dtype == "float16")
     torch.manual_seed(cfg.seed + launch.rank)  # dropout: each rank its own masks
     start_step = restore_checkpoint(inputs.checkpoint, cfg, raw_model, optimizers, scaler,
@@ -518,7 +518,7 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict, note
                 raw_model, inputs.hellaswag, device, autocast, launch))
         sources = [train_loader.stream, val_loader and val_loader.stream, log]  # what may fail
         stop = stop_or_fail_together(stop_signal["requested"], sources, launch, device)
-        pause = not last_step and steps_done - start_step == cfg.stop_after_steps > 0
+        pause = steps_done - start_step == cfg.stop_after_steps and not last_step  # the job's end
         if stop or pause or is_due(cfg.ckpt_every, steps_done, last_step):
             write_checkpoint(cfg, launch, device, raw_model, optimizers, scaler, train_loader,
                              steps_done)
@@ -544,7 +544,7 @@ def estimate_val_loss(model, loader, eval_steps, accum_steps, device, autocast, 
     for step in range(eval_steps):
         for _ in range(accum_steps):
             x, y = (to_device(batch, device) for batch in loader.next_batch())
-            with autocast():  # the logits' cross-entropy, whatever training's loss adds
+            with autocast():  # the logits' cross-entropy, even if training's loss adds terms
                 logits = model(x)[0]
             loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
             step_losses[step] += loss / accum_steps
@@ -579,7 +579,7 @@ def evaluate_hellaswag(model: GPT, batches: list[tuple], device, autocast, launc
 def sample_next(model: GPT, idx, caches, positions, noise, temperature: float):
     """(B, 1): the token after idx (B, T) at positions (T,), drawn from the softmax p of the top k
     logits (k: noise's width). argmax(p / E), E (B, k) Exp(1) noise, picks i with probability
-    p_i: torch.multinomial's draw, without the host sync multinomial makes on CUDA."""
+    p_i: torch.multinomial's distribution, without the host sync multinomial makes on CUDA."""
     hidden = model.hidden_states(idx, caches, positions)[:, -1]  # (B, n_embd): the last position
     logits = model.logits(hidden)[:, :GPT2_VOCAB_SIZE].float() / temperature  # no padding rows
     top_logits, top_ids = torch.topk(logits, noise.size(1), dim=-1)
@@ -1639,7 +1639,8 @@ def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir):
 
 def stop_or_fail_together(signalled, sources: list, launch, device):
     """Whether any rank got a stop signal; raises any rank's problem on all."""
-    problem = next((source.problem for source in sources if source and source.problem), None)
+    problem = next((source.problem for source in sources if getattr(source, "problem", None)),
+                   None)
     flags = [signalled, problem is not None]
     if launch.torchrun:
         values = torch.tensor(flags, dtype=torch.float32, device=device)
