@@ -632,7 +632,6 @@ import re
 import shutil
 import signal
 import socket
-import statistics
 import sys
 import sysconfig
 import typing
@@ -717,17 +716,16 @@ def parse_args(argv: list[str]) -> TrainConfig:
         group = groups[f.metadata["section"]]
         help_text = f.metadata["help"]  # with the default, unless it says it
         help_text += "" if "(default" in help_text else f" (default: {f.default})"
-        value_type = ([t for t in typing.get_args(f.type) if t is not type(None)] or [f.type])[0]
+        value_type = (typing.get_args(f.type) or [f.type])[0]  # bool | None: bool
         options = {"action": argparse.BooleanOptionalAction} if value_type is bool else {
-            "type": value_type, "choices": f.metadata["choices"],  # int | None parses as int
+            "type": value_type, "choices": f.metadata["choices"],
             "metavar": None if f.metadata["choices"] else value_type.__name__}
         group.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=help_text, **options)
     given = vars(parser.parse_args(argv))  # only the flags on the command line
     cfg = TrainConfig(**{**MODEL_SHAPES[given.get("model", "gpt2")], **given})
     model_config, run_config = init_from_settings(cfg.init_from)
     model_flags = {name for name in model_config if name != "dropout" and hasattr(cfg, name)}
-    clashes = sorted(name for name in model_flags & given.keys()
-                     if given[name] != model_config[name])
+    clashes = sorted(n for n in model_flags & given.keys() if given[n] != model_config[n])
     if clashes:  # its weights are of its shape
         raise ConfigError(f"--init_from {cfg.init_from} has " + ", ".join(
             f"{name} {model_config[name]}" for name in clashes) + ": drop " + " ".join(
@@ -857,7 +855,6 @@ PEAK_TFLOPS = [  # datasheets' dense (card, 16-bit, TF32) TFLOP/s
     (r"A100", 312, 156), (r"\bA10$", 125, 62.5), (r"\bL4$", 121, 60), (r"L40S$", 362, 183),
     (r"RTX 3090$", 71, 35.6), (r"RTX 4090$", 165, 82.6), (r"V100-SXM", 125, 15.7),
     (r"V100-PCIE", 112, 14), (r"\bT4$", 65, 8.1), (r"GTX 1080 Ti$", 11.3, 11.3)]
-
 COMPILE_GAIN = "on an H100 compile trains 1.54x faster: 489k against 317k tokens/s"
 
 
@@ -953,9 +950,8 @@ def catching_stop_signals():
         if stop["requested"] and signum == signal.SIGINT:
             raise KeyboardInterrupt
         stop["requested"] = True
-    previous = {signum: signal.signal(signum, handle) for signum in
-                (signal.SIGTERM, signal.SIGHUP, signal.SIGINT)
-                if signal.getsignal(signum) is not signal.SIG_IGN}
+    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGTERM,
+                signal.SIGHUP, signal.SIGINT) if signal.getsignal(signum) is not signal.SIG_IGN}
     try:
         yield stop
     finally:
@@ -979,18 +975,20 @@ class MetricsLog:
         kept = []
         if resume_step is not None and os.path.exists(self.path):
             with open(self.path) as f:
-                kept = [line for line in f if record_step(line, resume_step) < resume_step]
+                for line in f:  # a summary or a cut line has no step: dropped
+                    with contextlib.suppress(json.JSONDecodeError):
+                        if json.loads(line).get("step", resume_step) < resume_step:
+                            kept.append(line)
         write_atomically(self.path, lambda temporary: Path(temporary).write_text("".join(kept)))
         if self.tensorboard:
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
-            folder = os.path.dirname(self.path)
-            first = not glob.glob(os.path.join(folder, "events.out.tfevents.*"))
             name = f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}"
-            self.board_path = os.path.join(folder, name)
+            self.board_path = os.path.join(os.path.dirname(self.path), name)
+            first = not glob.glob(os.path.join(os.path.dirname(self.path), "events.out.tfevents.*"))
             # TensorBoard drops old events from this step on; first turned on: write the kept ones
             restart = Event(step=resume_step or 0, session_log=SessionLog(status=SessionLog.START))
-            earlier = [json.loads(line) for line in kept if first]
-            self.write_events(earlier, Event(file_version="brain.Event:2"), restart)
+            self.write_events([json.loads(line) for line in kept if first],
+                              Event(file_version="brain.Event:2"), restart)
 
     def write_events(self, records: list[dict], *events):
         """As SummaryWriter would (its thread can't report a full disk)."""
@@ -1000,8 +998,7 @@ class MetricsLog:
         events += tuple(Event(wall_time=time.time(), step=record["step"], summary=scalar(tag, v))
                         for record in records for tag, v in record.items()
                         if tag != "step" and "step" in record)
-        with failed_write_is_one_line(self.board_path, RESUME_AUTO), \
-                open(self.board_path, "ab") as f:
+        with failed_write_is_one_line(self.board_path), open(self.board_path, "ab") as f:
             for event in events:
                 RecordWriter(f).write(event.SerializeToString())
 
@@ -1018,7 +1015,7 @@ class MetricsLog:
             return
         size = os.path.getsize(self.path)
         try:
-            with failed_write_is_one_line(self.path, RESUME_AUTO), open(self.path, "a") as f:
+            with failed_write_is_one_line(self.path), open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
             if self.tensorboard:
                 self.write_events([record])
@@ -1026,35 +1023,32 @@ class MetricsLog:
             os.truncate(self.path, size)  # no half record left
             self.problem = str(error)
 
-    def start(self, notes, cfg, device, world_size, model, accum_steps, loader):
-        """The notes, then the start line: every choice made."""
-        params, self.world_size, self.epoch = count_parameters(model), world_size, loader.epoch
+    def start(self, notes, cfg, device, W, model, accum_steps, loader):
+        """The notes, then the start line (W processes): every choice made."""
+        params, self.world_size, self.epoch = count_parameters(model), W, loader.epoch
         self.flops_per_step = cfg.total_batch_size * flops_per_token(model.config, params,
                                                                      cfg.seq_len)
         card = f", {torch.cuda.get_device_name(device)}" if device.startswith("cuda") else ""
         mfu = (f", MFU against {cfg.peak_tflops:g} TFLOP/s" if cfg.peak_tflops else
                ", no MFU: its peak TFLOP/s is unknown, give --peak_tflops" if card else "")
-        W = world_size
-        sharded = "optimizer state sharded over the processes; " if cfg.shard_optimizer and W > 1 \
-            else ""
-        for line in [*notes, (
-                f"device {device}{card} ({cfg.dtype}, compile {'on' if cfg.compile else 'off'}"
-                f"{mfu}), {W} process(es); {params:,} parameters; {cfg.total_batch_size:,} tokens "
-                f"per step = {accum_steps} micro-steps x {W} process(es) x {cfg.micro_batch_size} "
-                f"x {cfg.seq_len}; {sharded}{loader.stream.num_tokens:,} train tokens")]:
-            self.info(line)
+        sharded = ("optimizer state sharded over the processes; " if cfg.shard_optimizer and W > 1
+                   else "")
+        self.info("\n".join([*notes, (
+            f"device {device}{card} ({cfg.dtype}, compile {'on' if cfg.compile else 'off'}"
+            f"{mfu}), {W} process(es); {params:,} parameters; {cfg.total_batch_size:,} tokens "
+            f"per step = {accum_steps} micro-steps x {W} process(es) x {cfg.micro_batch_size} "
+            f"x {cfg.seq_len}; {sharded}{loader.stream.num_tokens:,} train tokens")]))
 
-    def train_step(self, step, cfg, loss, lr, grad_norm, elapsed_ms, loader):
+    def train_step(self, step, cfg, loss, lr, grad_norm, ms, loader):
         """Log the step; a loss or norm not finite stops the run (every rank holds the same)."""
-        self.step_ms.append(elapsed_ms)
-        tokens_per_s = cfg.total_batch_size * 1000 / elapsed_ms
-        record = {"step": step, "train_loss": loss, "lr": lr, "grad_norm": grad_norm,
-                  "ms": elapsed_ms, "tokens_per_s": tokens_per_s}
+        self.step_ms.append(ms)
+        record = {"step": step, "train_loss": loss, "lr": lr, "grad_norm": grad_norm, "ms": ms,
+                  "tokens_per_s": cfg.total_batch_size * 1000 / ms}
         line = (f"step {step:5d}/{cfg.max_steps} | loss {loss:.6f} | lr {lr:.4e} | norm "
-                f"{grad_norm:.4f} | {elapsed_ms:.0f} ms | {tokens_per_s:,.0f} tok/s")
+                f"{grad_norm:.4f} | {ms:.0f} ms | {record['tokens_per_s']:,.0f} tok/s")
         if cfg.peak_tflops:
-            record["mfu"] = model_flops_utilization(self.flops_per_step, elapsed_ms,
-                                                    cfg.peak_tflops, self.world_size)
+            record["mfu"] = model_flops_utilization(self.flops_per_step, ms, cfg.peak_tflops,
+                                                    self.world_size)
             line += f" | MFU {100 * record['mfu']:.1f}%"
         self.write(record, line)
         if loader.epoch > self.epoch:
@@ -1079,8 +1073,8 @@ class MetricsLog:
         if not self.step_ms:
             return self.info(f"nothing to train: the checkpoint is at step {start_step} of "
                              f"--max_steps {cfg.max_steps}")
-        timed = self.step_ms[UNTIMED_STEPS:] or self.step_ms
-        median_ms = statistics.median(timed)
+        timed = self.step_ms[3:] or self.step_ms  # the first 3 compile and warm up: untimed
+        median_ms = float(np.median(timed))
         summary = {"timed_steps": len(timed), "median_ms": median_ms,
                    "median_tokens_per_s": cfg.total_batch_size * 1000 / median_ms}
         if device.startswith("cuda"):
@@ -1092,22 +1086,13 @@ class MetricsLog:
             summary["peak_memory_gib"] = peak / (2**30 if sys.platform == "darwin" else 2**20)
         line = (f"summary: median {median_ms:.1f} ms/step, {summary['median_tokens_per_s']:,.0f} "
                 f"tokens/s over the last {len(timed)} steps; peak memory "
-                f"{summary['peak_memory_gib']:.2f} GiB")
-        if "peak_reserved_gib" in summary:
-            line += f" ({summary['peak_reserved_gib']:.2f} GiB reserved)"
+                f"{summary['peak_memory_gib']:.2f} GiB" + (f" ({summary['peak_reserved_gib']:.2f} "
+                "GiB reserved)" if "peak_reserved_gib" in summary else ""))
         if cfg.peak_tflops:
             summary["mfu"] = model_flops_utilization(self.flops_per_step, median_ms,
                                                      cfg.peak_tflops, self.world_size)
             line += f"; MFU {100 * summary['mfu']:.1f}% of {cfg.peak_tflops:g} TFLOP/s"
         self.write({"summary": summary}, line)
-
-
-def record_step(line, default):
-    """A metrics.jsonl line's step; default for the summary or a cut line."""
-    try:
-        return json.loads(line).get("step", default)
-    except json.JSONDecodeError:
-        return default
 
 
 def count_parameters(model: nn.Module):
@@ -1122,13 +1107,11 @@ def flops_per_token(model_config: GPTConfig, num_params, seq_len):
 def model_flops_utilization(flops_per_step, step_ms, peak_tflops, world_size):
     return flops_per_step * 1000 / step_ms / (world_size * peak_tflops * 1e12)
 
-UNTIMED_STEPS = 3  # compiling, warming up: not in the summary
-
 
 # ------------------------------ reading the inputs
 def read_inputs_and_open_log(cfg, launch, log) -> "Inputs":
-    """Every rank reads the inputs and runs every check that can refuse the run, then rank 0
-    makes the log folder and metrics.jsonl: a problem on any rank stops all, in one line."""
+    """Every rank reads and checks the inputs, then rank 0 makes the log folder and metrics.jsonl:
+    a problem on any rank stops all, in one line."""
     inputs = on_every_rank(launch, lambda: read_inputs(cfg, launch, log))
     found = gather((inputs.train_tokens.num_tokens, inputs.val_tokens and
                     inputs.val_tokens.num_tokens, inputs.checkpoint and inputs.checkpoint["step"]),
@@ -1152,8 +1135,7 @@ def on_every_rank(launch, work):
 
 
 def read_inputs(cfg, launch, log) -> "Inputs":
-    earlier = checkpoint_paths(cfg.log_dir)
-    if earlier and not cfg.resume:  # --resume auto would take them for its own
+    if (earlier := checkpoint_paths(cfg.log_dir)) and not cfg.resume:  # --resume auto takes them
         raise ConfigError(f"--log_dir {cfg.log_dir} holds an earlier run's checkpoints "
                           f"({os.path.basename(earlier[0])}): continue it with --resume auto, "
                           "or pass another --log_dir")
@@ -1212,11 +1194,10 @@ def find_resume_checkpoint(cfg, say) -> dict | None:
 def load_checkpoint(path, flag="--resume"):
     if not os.path.isfile(path):
         raise ConfigError(f"no such checkpoint file: {path}")
-    not_ours = f"{flag} {path} is not a checkpoint"
+    not_ours, give = f"{flag} {path} is not a checkpoint", "give a ckpt_<step>.pt from a --log_dir"
     with open(path, "rb") as f:
         if f.read(4) != b"PK\x03\x04":  # torch.save writes zip files
-            raise ConfigError(f"{not_ours} (not a file torch.save wrote): give a ckpt_<step>.pt "
-                              "from a --log_dir")
+            raise ConfigError(f"{not_ours} (not a file torch.save wrote): {give}")
     checksum = Path(f"{path}.sha256")
     if checksum.exists() and checksum.read_text().strip() != file_sha256(path):
         raise ConfigError(f"checkpoint {path} is corrupt (its sha256 differs from {checksum}): "
@@ -1230,8 +1211,7 @@ def load_checkpoint(path, flag="--resume"):
     if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
         holds = (f"keys {', '.join(map(str, checkpoint))}" if isinstance(checkpoint, dict)
                  else type(checkpoint).__name__)
-        raise ConfigError(f"{not_ours} of train_gpt2.py (it holds {holds}): give a ckpt_<step>.pt "
-                          "from a --log_dir")
+        raise ConfigError(f"{not_ours} of train_gpt2.py (it holds {holds}): {give}")
     checkpoint["path"] = path
     return checkpoint
 
@@ -1268,27 +1248,23 @@ def initial_weights(cfg) -> tuple[GPTConfig, dict | None]:
 def checkpoint_model_config(checkpoint, cfg) -> GPTConfig:
     """Its GPTConfig with this run's --dropout. A field GPTConfig lacks is refused (older files
     held flags there, as recompute: this run's). A field the file lacks: the default."""
-    known = {f.name for f in dataclasses.fields(GPTConfig)}
-    unknown = [name for name in checkpoint["model_config"] if name not in known
-               and not hasattr(cfg, name)]
-    if unknown:
+    saved, known = checkpoint["model_config"], {f.name for f in dataclasses.fields(GPTConfig)}
+    if unknown := [name for name in saved if name not in known and not hasattr(cfg, name)]:
         raise ConfigError(f"{checkpoint['path']} holds model field(s) {', '.join(unknown)} that "
                           "GPTConfig lacks: add them to GPTConfig, or use the code that wrote it")
-    return GPTConfig(**{**{k: v for k, v in checkpoint["model_config"].items() if k in known},
-                        "dropout": cfg.dropout})
+    return GPTConfig(**{**{k: v for k, v in saved.items() if k in known}, "dropout": cfg.dropout})
 
 
 def load_openai_weights(name):
     """OpenAI's weights: transformers' cache, else the Hugging Face hub."""
-    GPT2LMHeadModel = import_transformers(f"--init_from {name}").GPT2LMHeadModel
+    load = import_transformers(f"--init_from {name}").GPT2LMHeadModel.from_pretrained
     from huggingface_hub.constants import ENDPOINT
     with contextlib.suppress(OSError):  # offline, the hub retries for 30 s
-        return state_from_openai(GPT2LMHeadModel.from_pretrained(name, local_files_only=True)
-                                 .state_dict())
+        return state_from_openai(load(name, local_files_only=True).state_dict())
     try:
         url = urllib.parse.urlsplit(ENDPOINT)
         socket.create_connection((url.hostname, url.port or 443), timeout=10).close()
-        return state_from_openai(GPT2LMHeadModel.from_pretrained(name).state_dict())
+        return state_from_openai(load(name).state_dict())
     except OSError as error:
         raise ConfigError(f"cannot download {name} from {ENDPOINT} ({str(error).splitlines()[0]}): "
                           "connect to the network, or give a checkpoint") from None
@@ -1375,7 +1351,6 @@ def open_token_streams(cfg, with_val) -> tuple[TokenStream, TokenStream | None]:
     return streams[0], streams[1] if with_val else None
 
 TEXT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "input.txt")
-
 TINY_SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
                         "tinyshakespeare/input.txt")
 
@@ -1409,7 +1384,7 @@ def write_atomically(path, write, then=RESUME_AUTO):
 
 
 @contextlib.contextmanager
-def failed_write_is_one_line(path, then):
+def failed_write_is_one_line(path, then=RESUME_AUTO):
     """A failed write (full disk, quota) as one ConfigError naming the folder."""
     try:
         yield
@@ -1521,13 +1496,10 @@ def open_hellaswag(cfg, launch, block_size):
         raise ConfigError(f"the longest HellaSwag example in {path} takes {longest} tokens, more "
                           f"than the model's block_size of {block_size}: HellaSwag needs "
                           f"--block_size {longest} or more{fix}")
-    return pack_hellaswag(rendered, min(HELLASWAG_BATCH_TOKENS, cfg.micro_batch_size * cfg.seq_len))
+    return pack_hellaswag(rendered, min(8192, cfg.micro_batch_size * cfg.seq_len))  # padding too
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
-
 HELLASWAG_CACHE = os.path.expanduser("~/.cache/train_gpt2/hellaswag_val.jsonl")
-
-HELLASWAG_BATCH_TOKENS = 8192  # a scoring batch's, padding included
 
 
 def read_hellaswag(path):
@@ -1537,10 +1509,9 @@ def read_hellaswag(path):
         for line_number, line in enumerate(f, start=1):
             try:
                 example = json.loads(line)
-                endings = example["endings"]
-                valid = (isinstance(example["ctx"], str) and isinstance(endings, list)
-                         and len(endings) == 4 and all(isinstance(e, str) for e in endings)
-                         and example["label"] in range(4))
+                endings, label = example["endings"], example["label"]
+                valid = (isinstance(example["ctx"], str) and label in range(4)
+                         and isinstance(endings, list) and [type(e) for e in endings] == [str] * 4)
             except (json.JSONDecodeError, KeyError, TypeError):
                 valid = False
             if not valid:
@@ -1571,13 +1542,10 @@ def pack_hellaswag(rendered: list[tuple], max_tokens):
         if not groups or 4 * (len(groups[-1]) + 1) * example[0].size(1) > max_tokens:
             groups.append([])
         groups[-1].append(example)
-    batches = []
-    for group in groups:
-        length = group[-1][0].size(1)
-        tokens, mask = (torch.cat([F.pad(example[i], (0, length - example[i].size(1)))
-                                   for example in group]) for i in (0, 1))
-        batches.append((tokens, mask, torch.tensor([label for _, _, label in group])))
-    return batches
+    pad = functools.partial(nn.utils.rnn.pad_sequence, batch_first=True)  # to the longest row
+    return [(pad([row for tokens, _, _ in group for row in tokens]),
+             pad([row for _, mask, _ in group for row in mask]),
+             torch.tensor([label for _, _, label in group])) for group in groups]
 
 
 def remove_killed_writes(log_dir):
@@ -1737,8 +1705,7 @@ def out_of_memory_message(cfg, device, world_size):
 def generate_samples(cfg, device):
     """--generate: the samples, then their speed."""
     model = build_model(cfg, *initial_weights(cfg), device)
-    tokenizer = gpt2_tokenizer()
-    autocast = autocast_for(cfg.dtype, device)
+    tokenizer, autocast = gpt2_tokenizer(), autocast_for(cfg.dtype, device)
     caches, next_token = (compiled_step(model, device) if cfg.compile and cfg.kv_cache
                           else (kv_caches(model, cfg.kv_cache), sample_next))
     started = time.perf_counter()
@@ -1758,7 +1725,6 @@ def generate_samples(cfg, device):
 GENERATE_WARMUP_TOKENS = 3  # --generate's untimed first call
 
 
-
 def compiled_step(model: GPT, device) -> tuple:
     """(caches, next_token) for generate(): sample_next compiled once."""
     if model not in COMPILED_STEPS:
@@ -1767,14 +1733,12 @@ def compiled_step(model: GPT, device) -> tuple:
 
         def next_token(model, idx, caches, positions, noise, temperature):
             for cache in caches:  # the graph reads them in place
-                torch._dynamo.mark_static_address(cache.keys, guard=False)
-                torch._dynamo.mark_static_address(cache.values, guard=False)
-                torch._dynamo.mark_static_address(cache.tokens, guard=False)
+                for tensor in (cache.keys, cache.values, cache.tokens):
+                    torch._dynamo.mark_static_address(tensor, guard=False)
             # a copy: the graph's next run overwrites its last output
             return compiled(model, idx.clone(), caches, positions, noise, temperature)
         COMPILED_STEPS[model] = (kv_caches(model), next_token)
     return COMPILED_STEPS[model]
-
 
 COMPILED_STEPS = weakref.WeakKeyDictionary()  # (caches, next_token) a model
 
@@ -1822,8 +1786,7 @@ def export_hf(cfg):
         vocab_size=GPT2_VOCAB_SIZE, n_positions=model_config.block_size, n_embd=model_config.n_embd,
         n_layer=model_config.n_layer, n_head=model_config.n_head, resid_pdrop=model_config.dropout,
         embd_pdrop=model_config.dropout, attn_pdrop=model_config.dropout))
-    ours, gpt2 = (state_to_openai(tensors, GPT2_VOCAB_SIZE) for tensors in
-                  (state, state_from_openai(hf_model.state_dict())))
+    ours, gpt2 = state_to_openai(state), hf_model.state_dict()
     for name in {**ours, **gpt2}:  # a hacked model's (a smaller vocabulary's too) onto GPT-2's
         shapes = [tuple(s[name].shape) if name in s else "absent" for s in (ours, gpt2)]
         if shapes[0] != shapes[1]:
@@ -1846,9 +1809,9 @@ def export_hf(cfg):
     return cfg.export_hf
 
 
-def state_to_openai(state, vocab_size):
+def state_to_openai(state):
     """Our state in transformers' layout, without the padding rows."""
-    return {name: (tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor[:vocab_size]
+    return {name: (tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor[:GPT2_VOCAB_SIZE]
                    if name in ("transformer.wte.weight", "lm_head.weight") else tensor).contiguous()
             for name, tensor in state.items()}
 
@@ -1857,12 +1820,11 @@ def check_export(exported, model_config: GPTConfig, state):
     """The exported model must give our logits (a hacked one would not)."""
     ours = GPT(model_config)
     ours.load_state_dict(state)
-    vocab_size = exported.config.vocab_size
-    tokens = torch.randint(0, vocab_size, (2, min(64, model_config.block_size)),
+    tokens = torch.randint(0, GPT2_VOCAB_SIZE, (2, min(64, model_config.block_size)),
                            generator=torch.Generator().manual_seed(0))
     tokens[:, 3::8] = END_OF_TEXT  # text of several documents: a document mask must show
     with torch.no_grad():
-        expected = ours.eval()(tokens)[0][..., :vocab_size]
+        expected = ours.eval()(tokens)[0][..., :GPT2_VOCAB_SIZE]
         difference = (exported.eval()(tokens).logits - expected).abs().max().item()
     if difference > 1e-4 * max(1.0, expected.abs().max().item()):
         raise ConfigError(f"the exported model's logits differ from ours by up to "
