@@ -312,7 +312,7 @@ def test_a_different_shape_or_batch_is_refused_naming_each_field(two_checkpoints
 
 def test_missing_checkpoint_path(tmp_path):
     line = one_line_error(run_script(EIGHT_STEPS + ["--log_dir", str(tmp_path), "--resume", str(tmp_path / "x.pt")]))
-    assert line == f"error: no such checkpoint file: {tmp_path / 'x.pt'}"
+    assert line == f"error: --resume {tmp_path / 'x.pt'} does not exist: give a ckpt_<step>.pt from a --log_dir"
 
 
 def test_resume_auto_without_checkpoints_starts_fresh(tmp_path, capsys):
