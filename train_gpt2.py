@@ -1608,8 +1608,8 @@ class MetricsLog:
                                                      cfg.peak_tflops, self.world_size)
             line += f"; MFU {100 * summary['mfu']:.1f}% of {cfg.peak_tflops:g} TFLOP/s"
         self.write({"summary": summary}, line)
-        if cfg.ckpt_every and self.active:  # the last step wrote one (rank 0)
-            self.info(f"last checkpoint: {checkpoint_paths(cfg.log_dir)[0]}")
+        if cfg.ckpt_every and (written := checkpoint_paths(os.path.dirname(self.path))):
+            self.info(f"last checkpoint: {written[0]}")  # this run's last write
 
 
 def count_parameters(model: nn.Module):
