@@ -720,7 +720,9 @@ def parse_args(argv: list[str]) -> TrainConfig:
         options = {"action": argparse.BooleanOptionalAction} if value_type is bool else {
             "type": value_type, "choices": f.metadata["choices"],
             "metavar": None if f.metadata["choices"] else value_type.__name__}
-        group.add_argument(f"--{f.name}", default=argparse.SUPPRESS, help=help_text, **options)
+        for name in dict.fromkeys([f.name, f.name.replace("_", "-")]):  # --max-steps, unlisted
+            group.add_argument(f"--{name}", dest=f.name, default=argparse.SUPPRESS, help=(
+                help_text if name == f.name else argparse.SUPPRESS), **options)
     given = vars(parser.parse_args(argv))  # only the flags on the command line
     cfg = TrainConfig(**{**MODEL_SHAPES[given.get("model", "gpt2")], **given})
     model_config, run_config = init_from_settings(cfg.init_from)
@@ -749,7 +751,7 @@ def init_from_settings(init_from) -> tuple[dict, dict]:
 
 class _OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message):  # not argparse's usage and exit
-        typos = re.findall(r"(--\w+)", message) if message.startswith("unrecognized") else []
+        typos = re.findall(r"(--[\w-]+)", message) if message.startswith("unrecognized") else []
         close = [difflib.get_close_matches(typo, self._option_string_actions, 1) for typo in typos]
         if any(close):
             message += f": did you mean {' or '.join(match[0] for match in close if match)}?"
@@ -757,6 +759,8 @@ class _OneLineErrorParser(argparse.ArgumentParser):
 
 
 def check_config(cfg, world_size):
+    if cfg.init_from not in ("", *MODEL_SHAPES) and not os.path.isfile(cfg.init_from):
+        raise ConfigError(missing_checkpoint(cfg.init_from, "--init_from"))
     for name in ["n_layer", "n_head", "n_embd", "block_size", "vocab_size", "total_batch_size",
                  "micro_batch_size", "seq_len", "max_steps", "eval_steps", "num_samples", "top_k"]:
         if getattr(cfg, name) < 1:
@@ -797,8 +801,6 @@ def check_config(cfg, world_size):
          "is not above 0"),
         (cfg.init_from and cfg.resume, "--init_from starts a new run and --resume continues one: "
          "drop one"),
-        (cfg.init_from and cfg.init_from not in MODEL_SHAPES and not os.path.isfile(cfg.init_from),
-         f"--init_from {cfg.init_from} is neither {', '.join(MODEL_SHAPES)} nor a checkpoint file"),
         (len(modes) > 1, f"{' and '.join(modes)} are separate runs: pick one"),
         (cfg.export_hf and not cfg.init_from, "--export_hf needs --init_from with the weights to "
          "export"),
@@ -1093,6 +1095,8 @@ class MetricsLog:
                                                      cfg.peak_tflops, self.world_size)
             line += f"; MFU {100 * summary['mfu']:.1f}% of {cfg.peak_tflops:g} TFLOP/s"
         self.write({"summary": summary}, line)
+        if cfg.ckpt_every and (written := checkpoint_paths(os.path.dirname(self.path))):
+            self.info(f"last checkpoint: {written[0]}")  # this run's last write
 
 
 def count_parameters(model: nn.Module):
@@ -1191,9 +1195,19 @@ def find_resume_checkpoint(cfg, say) -> dict | None:
     return None
 
 
+def missing_checkpoint(path, flag) -> str:
+    """What to say of a --resume or --init_from that is no file: the checkpoints there."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+    held = ", ".join(os.path.basename(found) for found in checkpoint_paths(folder))
+    models = f"{', '.join(MODEL_SHAPES)} or " if flag == "--init_from" else ""
+    fix = (f"use --resume auto --log_dir {path}" if flag == "--resume" and folder == path else
+           f"{folder} holds {held}" if held else f"give {models}a ckpt_<step>.pt from a --log_dir")
+    return f"{flag} {path} {'is a folder' if folder == path else 'does not exist'}: {fix}"
+
+
 def load_checkpoint(path, flag="--resume"):
     if not os.path.isfile(path):
-        raise ConfigError(f"no such checkpoint file: {path}")
+        raise ConfigError(missing_checkpoint(path, flag))
     not_ours, give = f"{flag} {path} is not a checkpoint", "give a ckpt_<step>.pt from a --log_dir"
     with open(path, "rb") as f:
         if f.read(4) != b"PK\x03\x04":  # torch.save writes zip files
@@ -1705,6 +1719,8 @@ def out_of_memory_message(cfg, device, world_size):
 def generate_samples(cfg, device):
     """--generate: the samples, then their speed."""
     model = build_model(cfg, *initial_weights(cfg), device)
+    if not cfg.init_from:
+        print("no --init_from: the samples come from untrained weights", flush=True)
     tokenizer, autocast = gpt2_tokenizer(), autocast_for(cfg.dtype, device)
     caches, next_token = (compiled_step(model, device) if cfg.compile and cfg.kv_cache
                           else (kv_caches(model, cfg.kv_cache), sample_next))

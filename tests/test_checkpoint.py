@@ -312,7 +312,7 @@ def test_a_different_shape_or_batch_is_refused_naming_each_field(two_checkpoints
 
 def test_missing_checkpoint_path(tmp_path):
     line = one_line_error(run_script(EIGHT_STEPS + ["--log_dir", str(tmp_path), "--resume", str(tmp_path / "x.pt")]))
-    assert line == f"error: no such checkpoint file: {tmp_path / 'x.pt'}"
+    assert line == f"error: --resume {tmp_path / 'x.pt'} does not exist: give a ckpt_<step>.pt from a --log_dir"
 
 
 def test_resume_auto_without_checkpoints_starts_fresh(tmp_path, capsys):
@@ -390,7 +390,8 @@ def test_ctrl_c_in_another_run_mode_stops_it_at_once_with_one_line(tmp_path):
     still_running = process.poll() is None
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=60)
-    assert still_running and (process.returncode, out, err) == (130, "", "stopped by Ctrl-C\n"), err
+    untrained = "no --init_from: the samples come from untrained weights\n"
+    assert still_running and (process.returncode, out, err) == (130, untrained, "stopped by Ctrl-C\n"), err
 
 
 def test_under_nohup_a_closed_session_does_not_stop_the_run(tmp_path):

@@ -502,6 +502,13 @@ def test_generation_casts_each_weight_once_under_autocast_not_once_a_token():
         assert sorted(casts) == sorted(linears + ["transformer.wte.weight"]), use_cache
 
 
+def test_generate_without_init_from_says_its_samples_come_from_untrained_weights(tmp_path, capsys):
+    """It printed a new model's noise as samples, and said nothing of it (issue 56)."""
+    t.main(t.parse_args(TINY_ARGS + ["--generate", "--num_samples", "1", "--max_new_tokens", "2", "--log_dir",
+                                     str(tmp_path)]))
+    assert capsys.readouterr().out.splitlines()[0] == "no --init_from: the samples come from untrained weights"
+
+
 def test_generate_leaves_cudnn_attention_out(monkeypatch, tmp_path):
     """--generate: without the cache every token is a new length, for which cuDNN's attention builds a new plan (64
     tokens/s on an H100). Every attention call of --generate, the warm-up's and the samples', with the cache and

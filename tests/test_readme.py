@@ -1,15 +1,23 @@
-"""The README's map of train_gpt2.py and its worked change to the model, checked against the file."""
+"""The README checked against the program: its map of train_gpt2.py, its worked change to the model, every command
+it shows and every error line it quotes."""
 
+import dataclasses
+import errno
 import importlib.util
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
-from conftest import ROOT
+import train_gpt2 as t
+from conftest import ROOT, report_card
+from test_cli import error_line_in_process
+from test_ddp import torchrun
 
 README = (ROOT / "README.md").read_text()
 SOURCE = (ROOT / "train_gpt2.py").read_text()
@@ -115,3 +123,120 @@ def test_the_readmes_sliding_window_is_the_one_the_model_tests_run():
     part = README.split("## Changing the model", 1)[1]
     window = re.findall(r"```python\n(.*?)```", part, re.S)[1].split("\n", 1)[1]
     assert window == SLIDING_WINDOW and VISIBLE in SOURCE
+
+
+# ------------------------------ every command it shows, as written (issue 56)
+
+def readme_commands():
+    """(README line, world size, arguments) of every train_gpt2.py command the README shows: in its bash blocks, inline
+    (a command wrapped over lines joined), and the edited model's (the quick start with the flags "Changing the model"
+    gives it)."""
+    texts = []  # (line, command text)
+    for block in re.finditer(r"```bash\n(.*?)```", README, re.S):
+        start, text = None, ""
+        for number, line in enumerate(block.group(1).splitlines(), start=README.count("\n", 0, block.start(1)) + 1):
+            start, text = start or number, text + " " + line.removesuffix("\\")
+            if not line.endswith("\\"):
+                texts.append((start, text))
+                start, text = None, ""
+    prose = re.sub(r"```.*?```", lambda block: "\n" * block.group().count("\n"), README, flags=re.S)
+    texts += [(prose.count("\n", 0, span.start()) + 1, span.group(1).replace("\n", " "))
+              for span in re.finditer(r"`([^`]+)`", prose)]
+    edit = re.search(r"the quick start\s+with `([^`]+)`", README)
+    quick_start = next(text for _, text in texts if "train_gpt2.py" in text)
+    texts.append((README.count("\n", 0, edit.start(1)) + 1, f"{quick_start} {edit.group(1)}"))
+    commands = []
+    for line, text in sorted(texts):
+        for command in text.split("&&"):
+            words = shlex.split(command, comments=True) if "train_gpt2.py" in command else []
+            if words[:1] not in (["python3"], ["torchrun"]) or "train_gpt2.py" not in words:
+                continue  # another program
+            at = words.index("train_gpt2.py")
+            launcher = dict(word.removeprefix("--").split("=") for word in words[:at] if "=" in word)
+            commands.append((line, int(launcher.get("nproc_per_node", 1)) * int(launcher.get("nnodes", 1)),
+                             words[at + 1:]))
+    return commands
+
+
+def test_every_command_the_readme_shows_passes_the_config_checks_as_written(tmp_path, monkeypatch):
+    """A README command that fails its own checks is a bug: a 30-step benchmark with 715 warmup steps did; the edited
+    model's quick start, 5 steps with 10 to warm up, did (issue 56). Each training command leaves here the checkpoint
+    its last step writes (as a stand-in: its flags, which --init_from reads), so the commands that start from one
+    find it only if an earlier command writes it."""
+    monkeypatch.chdir(tmp_path)
+    commands = readme_commands()
+    assert len(commands) >= 17, commands
+    assert (1, ["--data_dir", "edu_fineweb10B", "--max_steps", "30", "--warmup_steps", "10", "--eval_every", "0",
+                "--sample_every", "0", "--ckpt_every", "0"]) in [command[1:] for command in commands]  # the benchmark
+    for _, _, args in commands:
+        cfg = None if "--help" in args else t.parse_args(args)
+        if cfg and not (cfg.generate or cfg.eval_only or cfg.export_hf) and cfg.ckpt_every:
+            os.makedirs(cfg.log_dir, exist_ok=True)
+            torch.save({"config": dataclasses.asdict(cfg)}, os.path.join(cfg.log_dir, f"ckpt_{cfg.max_steps}.pt"))
+    failures = []
+    for line, world_size, args in commands:
+        try:
+            t.check_config(t.parse_args(args), world_size)
+        except SystemExit as exited:  # --help: printed, exit 0
+            failures += [] if exited.code == 0 else [f"README.md line {line}: {shlex.join(args)}: exit {exited.code}"]
+        except t.ConfigError as error:
+            failures.append(f"README.md line {line}: {shlex.join(args)}: {error}")
+    assert not failures, "\n".join(failures)
+
+
+# ------------------------------ every error line it quotes, as printed (issue 56)
+
+def test_every_error_line_the_troubleshooting_table_quotes_is_the_line_printed(tmp_path, monkeypatch, capsys):
+    """It said "needs 16,384" where a plain run says "needs 512", "--micro_batch_size 32" where 64 divides the step,
+    and "(did you mean --max_steps?)" in a format of its own (issue 56). Each row's case runs as a user's would, in
+    the table's order; "..." in a quote stands for any text."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "log").mkdir()
+    quick_start = readme_commands()[0][2]
+
+    def earlier_run():
+        (tmp_path / "log" / "ckpt_50.pt").write_bytes(b"")
+        return error_line_in_process(quick_start, capsys)
+
+    def out_of_memory():  # the GPU recipe on an H100 (as reported here), out of memory in its first step
+        report_card("h100", monkeypatch.setattr)
+        monkeypatch.setattr(t, "train", lambda *args: (_ for _ in ()).throw(torch.OutOfMemoryError("CUDA OOM")))
+        return error_line_in_process([], capsys)
+
+    def full_disk():  # what the training loop's checkpoint write raises, and main prints after "error: "
+        monkeypatch.setattr(torch, "save", lambda *args: (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(
+            errno.ENOSPC))))
+        with pytest.raises(t.ConfigError) as refused:
+            t.save_checkpoint("log/ckpt_2000.pt", {}, keep=2)
+        return f"error: {refused.value}"
+
+    cases = [lambda: error_line_in_process(["--micro_batch_size", "96"], capsys),
+             lambda: error_line_in_process([], capsys),  # a plain run, on tiny Shakespeare
+             earlier_run,
+             lambda: error_line_in_process(["--max_setps", "20"], capsys),
+             lambda: error_line_in_process(["--resume", "log"], capsys),
+             out_of_memory,
+             full_disk]
+    table = README.index("## Troubleshooting")
+    quotes = [(README.count("\n", 0, table + row.start()) + 1, row.group(1))
+              for row in re.finditer(r"^\| `([^`]+)` \|", README[table:], re.M)]
+    assert len(quotes) == len(cases), quotes
+    for (line, quote), case in zip(quotes, cases, strict=True):
+        printed = case()
+        pattern = ".*".join(re.escape(part) for part in f"error: {quote}".split("..."))
+        assert re.fullmatch(pattern, printed), f"README.md line {line} quotes `{quote}`; the program prints: {printed}"
+
+
+def test_a_mistake_under_torchrun_prints_what_the_readme_says():
+    """README, "Multi-GPU and multi-node": rank 0's line, then about 40 lines of torchrun's (each quoted there), and
+    torchrun's exit status 1; the README promised one line and exit 2 (issue 56)."""
+    result = torchrun(2, ["train_gpt2.py", "--device", "cpu", "--max_stepz", "3"])  # OMP_NUM_THREADS set: no notice
+    said = "error: unrecognized arguments: --max_stepz 3: did you mean --max_steps? (see --help)"
+    lines = result.stderr.splitlines()
+    assert (result.returncode, result.stdout, lines[:1]) == (1, "", [said]), result.stderr
+    assert 30 <= len(lines) - 1 <= 50, result.stderr
+    paragraph = next(part for part in README.split("\n\n") if "ChildFailedError" in part).replace("\n", " ")
+    assert "about 40 after" in paragraph and "torchrun exits 1" in paragraph
+    quoted = [text for text in re.findall(r"`([^`]+)`", paragraph) if text not in ("error: ...", "OMP_NUM_THREADS")]
+    assert quoted == ["ChildFailedError", "train_gpt2.py FAILED", "exitcode", "2"]
+    assert all(text in result.stderr for text in quoted) and "exitcode  : 2" in result.stderr.split("Root Cause")[1]

@@ -119,7 +119,7 @@ def test_an_export_with_a_vocabulary_smaller_than_the_tokenizers_is_refused(chec
 
 @pytest.mark.parametrize("mistake, expected", [
     (["--data_dir", "no_such_folder"], "--data_dir no_such_folder is not a folder"),
-    (["--resume", "no_such_checkpoint.pt"], "no such checkpoint file: no_such_checkpoint.pt"),
+    (["--resume", "no_such_checkpoint.pt"], "--resume no_such_checkpoint.pt does not exist"),
     (["--text_file", "no_such_file.txt"], "--text_file no_such_file.txt does not exist"),
     (["--hellaswag_every", "5", "--hellaswag_path", "no_such.jsonl"], "--hellaswag_path no_such.jsonl does not"),
     (["--init_from", "input.txt"], "--init_from input.txt is not a checkpoint"),
@@ -142,6 +142,11 @@ def test_a_refused_run_makes_no_log_dir_and_downloads_nothing(mistake, expected,
     (["--learning_rate", "1e-3"], "unrecognized arguments: --learning_rate 1e-3"),  # nothing close
     (["--warmup_stesp", "5", "--sed", "3"], "unrecognized arguments: --warmup_stesp 5 --sed 3: did you mean "
                                             "--warmup_steps or --seed?"),
+    # hyphens, as torchrun takes them: the flag's whole name was not read past its first hyphen (issue 56)
+    (["--max-stepz", "20"], "unrecognized arguments: --max-stepz 20: did you mean --max-steps?"),
+    (["--eval-evry", "5"], "unrecognized arguments: --eval-evry 5: did you mean --eval-every?"),
+    (["--micro-batch-sise", "8"], "unrecognized arguments: --micro-batch-sise 8: did you mean --micro-batch-size?"),
+    (["--no-kv-cahce"], "unrecognized arguments: --no-kv-cahce: did you mean --no-kv-cache?"),
 ])
 def test_an_unknown_flag_names_the_flag_it_is_close_to(typo, expected, capsys):
     with pytest.raises(t.ConfigError) as raised:
@@ -214,3 +219,30 @@ def test_a_model_field_a_hacker_adds_is_the_checkpoints_and_a_differing_flag_is_
         t.initial_weights(t.parse_args(TINY_ARGS_WITHOUT_SHAPE + ["--init_from", ckpt]))
     assert str(refused.value) == (f"{ckpt} holds model field(s) window that GPTConfig lacks: add them to GPTConfig, "
                                   "or use the code that wrote it")
+
+
+# ------------------------------ a missing checkpoint is named as missing, with those beside it (issue 56)
+
+@pytest.mark.parametrize("flag, path, expected", [
+    ("--init_from", "shakespeare/ckpt_20.pt",
+     "--init_from shakespeare/ckpt_20.pt does not exist: shakespeare holds ckpt_10.pt, ckpt_5.pt"),
+    ("--resume", "shakespeare/ckpt_20.pt",
+     "--resume shakespeare/ckpt_20.pt does not exist: shakespeare holds ckpt_10.pt, ckpt_5.pt"),
+    ("--resume", "shakespeare", "--resume shakespeare is a folder: use --resume auto --log_dir shakespeare"),
+    ("--init_from", "shakespeare", "--init_from shakespeare is a folder: shakespeare holds ckpt_10.pt, ckpt_5.pt"),
+    ("--resume", "empty/ckpt_20.pt", "--resume empty/ckpt_20.pt does not exist: give a ckpt_<step>.pt from a --log_dir"),
+    ("--init_from", "gpt5", "--init_from gpt5 does not exist: give gpt2, gpt2-medium, gpt2-large, gpt2-xl or a "
+                            "ckpt_<step>.pt from a --log_dir"),
+])
+def test_a_missing_checkpoint_says_so_and_names_the_checkpoints_in_its_folder(flag, path, expected, tmp_path,
+                                                                               monkeypatch, capsys):
+    """`--init_from shakespeare/ckpt_20.pt` was "neither gpt2, ... nor a checkpoint file", `--resume log` "no such
+    checkpoint file: log"."""
+    monkeypatch.chdir(tmp_path)
+    for folder in ("shakespeare", "empty"):
+        (tmp_path / folder).mkdir()
+    for name in ("ckpt_5.pt", "ckpt_10.pt", "metrics.jsonl"):
+        (tmp_path / "shakespeare" / name).write_bytes(b"")
+    flags = TINY_ARGS_WITHOUT_SHAPE if flag == "--init_from" else TINY_ARGS
+    assert one_line_exit(capsys, flags + ["--log_dir", "log", flag, path]) == f"error: {expected}"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["empty", "shakespeare"]  # nothing written

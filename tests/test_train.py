@@ -48,6 +48,14 @@ def test_metrics_file_holds_every_record_and_a_summary(tmp_path):
     assert "mfu" not in summary  # MFU is reported on CUDA only
 
 
+def test_a_finished_run_ends_naming_its_last_checkpoint(tmp_path, capsys):
+    """The quick start's log/ckpt_50.pt was named in the README alone (issue 56). Without checkpoints: no line."""
+    run(["--max_steps", "3"], tmp_path)
+    assert capsys.readouterr().out.splitlines()[-1] == f"last checkpoint: {tmp_path / 'log' / 'ckpt_3.pt'}"
+    run(["--max_steps", "3", "--ckpt_every", "0"], tmp_path, "none")
+    assert capsys.readouterr().out.splitlines()[-1].startswith("summary: ")
+
+
 def test_a_new_run_starts_a_fresh_metrics_file(tmp_path):
     run(["--max_steps", "3", "--ckpt_every", "0"], tmp_path)  # with checkpoints, it would be refused
     run(["--max_steps", "2"], tmp_path)
