@@ -745,7 +745,8 @@ def init_from_settings(init_from) -> tuple[dict, dict]:
         return {**MODEL_SHAPES[init_from], "block_size": 1024, "vocab_size": GPT2_VOCAB_SIZE}, {}
     with contextlib.suppress(Exception):  # no file, an unreadable one: check_config or loading
         saved = torch.load(init_from, map_location="cpu", weights_only=True, mmap=True)
-        return saved["model_config"], saved["config"]
+        if isinstance(saved, dict):
+            return saved["model_config"], saved["config"]
     return {}, {}
 
 
@@ -778,8 +779,9 @@ def check_config(cfg, world_size):
     mistakes = [(negative, f"{', '.join(negative)}: must be 0 or more"),
         (cfg.n_embd % cfg.n_head, f"--n_embd {cfg.n_embd} is not divisible by --n_head "
          f"{cfg.n_head}: pick a width that is"),
-        (cfg.seq_len > cfg.block_size, f"--seq_len {cfg.seq_len} is longer than --block_size "
-         f"{cfg.block_size}: lower --seq_len or raise --block_size"),
+        (cfg.seq_len > cfg.block_size and not (cfg.generate or cfg.export_hf), f"--seq_len "
+         f"{cfg.seq_len} is longer than --block_size {cfg.block_size}: lower --seq_len"
+         f"{'' if cfg.init_from else ' or raise --block_size'}"),
         (cfg.vocab_size < GPT2_VOCAB_SIZE, f"--vocab_size {cfg.vocab_size} is smaller than the "
          f"GPT-2 tokenizer's {GPT2_VOCAB_SIZE} tokens: use at least 50257 (50304 is faster)"),
         (cfg.total_batch_size % micro_step_tokens, f"--total_batch_size {cfg.total_batch_size} is "

@@ -32,9 +32,9 @@ TINY_ARGS = [
     "--max_steps", "20", "--warmup_steps", "2", "--max_lr", "3e-3",
     "--eval_every", "0", "--sample_every", "0", "--device", "cpu", "--text_file", str(SHAKESPEARE),
 ]
-# TINY_ARGS without the shape flags, for --init_from, which sets the shape (parse_args refuses both)
+# TINY_ARGS without the model's flags, for --init_from, which sets them (parse_args refuses one that differs)
 TINY_ARGS_WITHOUT_SHAPE = [arg for flag, value in zip(TINY_ARGS[::2], TINY_ARGS[1::2], strict=True)
-                           if flag not in ("--n_layer", "--n_head", "--n_embd") for arg in (flag, value)]
+                           if flag not in ("--n_layer", "--n_head", "--n_embd", "--block_size") for arg in (flag, value)]
 
 
 def pytest_configure(config):

@@ -200,8 +200,7 @@ def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):
     assert set(checkpoint) == {"model", "model_config", "optimizer", "scaler", "step", "config", "windows_consumed",
                                "train_tokens", "rng"}
     assert checkpoint["model_config"] == {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64,
-                                          "vocab_size": 50304, "dropout": 0.0, "loss_chunk_size": 0,
-                                          "recompute": False}
+                                          "vocab_size": 50304, "dropout": 0.0}  # what the weights mean
     assert checkpoint["step"] == 3 and checkpoint["windows_consumed"] == 24
     assert checkpoint["train_tokens"] == 304_222  # tiny Shakespeare's first 90%
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in checkpoint["model"])

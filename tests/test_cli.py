@@ -150,7 +150,7 @@ def test_help_explains_every_flag_under_its_section_within_the_terminal():
     result = run_script(["--help"], env={"COLUMNS": "80"})
     assert result.returncode == 0
     assert max(len(line) for line in result.stdout.splitlines()) <= 80
-    sections = ["model", "data", "batch", "optimizer", "runtime", "run modes", "logging", "checkpoints"]
+    sections = ["model", "data", "batch", "optimizer", "logging", "runtime", "run modes", "checkpoints"]
     found, flags, helps = [], [], []
     for line in result.stdout.splitlines():
         if line.rstrip(":") in sections:

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -243,9 +245,9 @@ def test_download_writes_the_whole_file_and_nothing_else(tmp_path):
 def write_in_step(path, content, both_open):
     """In a process of its own: write_atomically with a writer that waits until the other process has opened
     its temporary file too, as two machines' first ranks downloading to shared storage at once can."""
-    def write(f):
+    def write(temporary):
         both_open.wait(timeout=30)
-        f.write(content.encode())
+        Path(temporary).write_text(content)
 
     t.write_atomically(path, write)
 
