@@ -1116,8 +1116,7 @@ def model_flops_utilization(flops_per_step, step_ms, peak_tflops, world_size):
 
 # ------------------------------ reading the inputs
 def read_inputs_and_open_log(cfg, launch, log) -> "Inputs":
-    """Every rank reads and checks the inputs, then rank 0 makes the log folder and metrics.jsonl:
-    a problem on any rank stops all, in one line."""
+    """Each rank reads and checks the inputs; then rank 0 opens the log. Any problem stops all."""
     inputs = on_every_rank(launch, lambda: read_inputs(cfg, launch, log))
     found = gather((inputs.train_tokens.num_tokens, inputs.val_tokens and
                     inputs.val_tokens.num_tokens, inputs.checkpoint and inputs.checkpoint["step"]),
@@ -1308,8 +1307,7 @@ def state_from_openai(hf_state: dict):
             if not name.endswith((".attn.bias", ".attn.masked_bias"))}  # old versions' masks
 
 # OpenAI's Conv1D weights, (in, out): nn.Linear wants (out, in)
-OPENAI_TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
-                     "mlp.c_proj.weight")
+OPENAI_TRANSPOSED = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
 
 
 def check_weights_fit(weights: dict, model_config: GPTConfig, source, flag):
@@ -1383,14 +1381,13 @@ def download(url, path, fix):
 
 
 def write_atomically(path, write, then=RESUME_AUTO):
-    """write(temporary), a file or a folder, then rename it to path: never a half-written file.
-    A file is fsynced first: a crash just after the rename cannot leave it empty."""
+    """write(temporary), a file or a folder, then rename it to path: never a half-written file."""
     temporary = f"{os.path.normpath(path)}.{os.uname().nodename}-{os.getpid()}.tmp"
     try:
         with failed_write_is_one_line(path, then):
             write(temporary)
             if os.path.isfile(temporary):
-                with open(temporary, "rb+") as f:
+                with open(temporary, "rb+") as f:  # a crash after the rename leaves no empty file
                     os.fsync(f.fileno())
     except BaseException:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -1732,8 +1729,7 @@ def generate_samples(cfg, device):
                  cfg.num_samples, cfg.temperature, cfg.top_k, cfg.seed, autocast, next_token)
     warm_up_s, started = time.perf_counter() - started, time.perf_counter()
     texts = print_samples(model, tokenizer, cfg, autocast, caches, next_token)
-    timed_s = time.perf_counter() - started
-    tokens = cfg.num_samples * cfg.max_new_tokens
+    timed_s, tokens = time.perf_counter() - started, cfg.num_samples * cfg.max_new_tokens
     print(f"{tokens:,} tokens in {timed_s:.2f} s: {tokens / timed_s:,.1f} tokens/s (KV cache "
           f"{'on' if cfg.kv_cache else 'off'}, compile {'on' if cfg.compile else 'off'}, "
           f"{count_parameters(model):,} parameters), after an untimed warm-up of "
