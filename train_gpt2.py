@@ -920,15 +920,15 @@ def compile_blocker(major, minor, environ):
 # ------------------------------ every rank agrees, or all stop
 def check_same_command(cfg, problem: ConfigError | None, launch):
     """Raise flags that differ between ranks, then any rank's problem, on every rank."""
-    posts = gather((problem and str(problem), cfg and dataclasses.asdict(cfg)), launch)
-    parsed = [(rank, flags) for rank, (_, flags) in enumerate(posts) if flags is not None]
+    reports = gather((problem and str(problem), cfg and dataclasses.asdict(cfg)), launch)
+    parsed = [(rank, flags) for rank, (_, flags) in enumerate(reports) if flags is not None]
     differing = [f"--{name} {value} on rank {parsed[0][0]} but {flags[name]} on rank {rank}"
                  for name, value in (parsed[0][1].items() if parsed else ())
                  for rank, flags in parsed[1:] if flags[name] != value]
     if differing:
         raise ConfigError("the processes were started with different flags "
                           f"({', '.join(differing)}): start every machine with the same command")
-    raise_first_problem([problem for problem, _ in posts])
+    raise_first_problem([problem for problem, _ in reports])
 
 
 def gather(value, launch) -> list:
@@ -1154,15 +1154,9 @@ def read_inputs(cfg, launch, log) -> "Inputs":
                   else [], gpt2_tokenizer() if cfg.sample_every else None)
 
 
-@dataclass
-class Inputs:  # what every rank read and checked before training
-    model_config: GPTConfig
-    weights: dict | None  # --init_from's
-    train_tokens: TokenStream
-    val_tokens: TokenStream | None
-    checkpoint: dict | None  # to resume from
-    hellaswag: list  # this rank's batches
-    tokenizer: object
+# what every rank read and checked before training; weights: --init_from's, hellaswag: this rank's
+Inputs = collections.namedtuple("Inputs", ["model_config", "weights", "train_tokens", "val_tokens",
+                                           "checkpoint", "hellaswag", "tokenizer"])
 
 
 def open_log_dir(cfg, log, checkpoint):
@@ -1254,9 +1248,6 @@ def initial_weights(cfg) -> tuple[GPTConfig, dict | None]:
         checkpoint = load_checkpoint(cfg.init_from, "--init_from")
         model_config, weights = checkpoint_model_config(checkpoint, cfg), checkpoint["model"]
     check_weights_fit(weights, model_config, cfg.init_from, "--init_from")
-    if not (cfg.generate or cfg.export_hf) and cfg.seq_len > model_config.block_size:
-        raise ConfigError(f"--seq_len {cfg.seq_len} is longer than the model's "
-                          f"{model_config.block_size} positions: lower --seq_len")
     return model_config, weights
 
 
@@ -1578,14 +1569,17 @@ def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, devic
         scaler.load_state_dict(checkpoint["scaler"])
     loader.windows_consumed = checkpoint["windows_consumed"]
     if loader.rank < len(checkpoint["rng"]):  # a new rank keeps its seed
-        restore_rng_states(checkpoint["rng"][loader.rank], device)
+        rng = checkpoint["rng"][loader.rank]
+        torch.set_rng_state(rng["torch_cpu"])
+        if rng["torch_cuda"] and device.startswith("cuda"):
+            torch.cuda.set_rng_state(rng["torch_cuda"][0], device)
     saved, step, tokens = checkpoint["config"], checkpoint["step"], loader.stream.num_tokens
     if checkpoint["train_tokens"] != tokens:
         log.info(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
                  f"{checkpoint['train_tokens']:,}: its data position points at other tokens now; "
                  "resume with the checkpoint's data to go on exactly")
-    changed = {name: saved.get(name) for name in section_fields("optimizer")
-               if saved.get(name) != getattr(cfg, name)}
+    changed = {f.name: saved.get(f.name) for f in dataclasses.fields(TrainConfig) if f.metadata[
+        "section"] == "optimizer" and saved.get(f.name) != getattr(cfg, f.name)}
     if changed:  # allowed (to extend a run)
         old_cfg = dataclasses.replace(cfg, **{k: v for k, v in changed.items() if v is not None})
         flags = ", ".join(f"--{k} {v} -> {getattr(cfg, k)}" for k, v in changed.items())
@@ -1594,16 +1588,6 @@ def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, devic
                  f"{lr_at(step, old_cfg):.4e}")
     log.info(f"resumed from step {step} ({checkpoint['windows_consumed']:,} windows into the data)")
     return step
-
-
-def restore_rng_states(states, device):
-    torch.set_rng_state(states["torch_cpu"])
-    if states["torch_cuda"] and device.startswith("cuda"):
-        torch.cuda.set_rng_state(states["torch_cuda"][0], device)
-
-
-def section_fields(section):
-    return [f.name for f in dataclasses.fields(TrainConfig) if f.metadata["section"] == section]
 
 
 def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir):
@@ -1637,7 +1621,9 @@ def write_checkpoint(cfg, launch, device, model, optimizers, scaler, loader, ste
     if cfg.shard_optimizer and launch.world_size > 1:
         for optimizer in optimizers:
             optimizer.consolidate_state_dict(to=0)  # each rank sends its share
-    rng = gather(rng_states(device), launch)
+    # torch's generators; on CUDA this GPU's only (a new machine may have fewer)
+    rng = gather({"torch_cpu": torch.get_rng_state(), "torch_cuda": [torch.cuda.get_rng_state(
+        device)] if device.startswith("cuda") else []}, launch)
 
     def save():
         state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
@@ -1647,12 +1633,6 @@ def write_checkpoint(cfg, launch, device, model, optimizers, scaler, loader, ste
                  "train_tokens": loader.stream.num_tokens}
         save_checkpoint(os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt"), state, cfg.keep_ckpts)
     on_every_rank(launch, lambda: launch.rank == 0 and save())
-
-
-def rng_states(device):
-    """torch's generators; on CUDA this GPU's only (a new machine may have fewer)."""
-    return {"torch_cpu": torch.get_rng_state(),
-            "torch_cuda": [torch.cuda.get_rng_state(device)] if device.startswith("cuda") else []}
 
 
 def save_checkpoint(path, state, keep):

@@ -289,6 +289,7 @@ def test_sequence_longer_than_the_checkpoint_model(tmp_path):
 
     t.main(t.parse_args(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path)]))  # block_size 64
     cfg = t.parse_args(["--init_from", str(tmp_path / "ckpt_2.pt"), "--seq_len", "128", "--device", "cpu"])
+    assert cfg.block_size == 64  # the checkpoint's
     with pytest.raises(t.ConfigError) as raised:
-        t.build_model(cfg, *t.initial_weights(cfg), "cpu")
-    assert str(raised.value) == "--seq_len 128 is longer than the model's 64 positions: lower --seq_len"
+        t.check_config(cfg, 1)
+    assert str(raised.value) == "--seq_len 128 is longer than --block_size 64: lower --seq_len"
