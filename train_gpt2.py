@@ -1440,8 +1440,7 @@ def find_shards(data_dir, split):
     if os.path.exists(os.path.join(data_dir, "INCOMPLETE")):  # fineweb.py's, until done
         raise ConfigError(f"--data_dir {data_dir} is incomplete (fineweb.py's INCOMPLETE file is "
                           "there): wait for fineweb.py, or rerun it with --resume")
-    paths = sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.npy")))
-    if not paths:
+    if not (paths := sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.npy")))):
         raise ConfigError(f"no {split} shards (*_{split}_*.npy) in --data_dir {data_dir}: "
                           "run fineweb.py to make them")
     return paths
@@ -1494,8 +1493,7 @@ def open_hellaswag(cfg, launch, block_size):
     examples, tokenizer = read_hellaswag(path), gpt2_tokenizer()
     rendered = [render_hellaswag(example, tokenizer)
                 for example in examples[launch.rank :: launch.world_size]]
-    longest = max((tokens.size(1) for tokens, _, _ in rendered), default=0)
-    if longest > block_size:
+    if (longest := max((tokens.size(1) for tokens, _, _ in rendered), default=0)) > block_size:
         fix = "" if cfg.eval_only else ", or drop --hellaswag_every"
         raise ConfigError(f"the longest HellaSwag example in {path} takes {longest} tokens, more "
                           f"than the model's block_size of {block_size}: HellaSwag needs "
