@@ -1567,10 +1567,7 @@ def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, devic
         scaler.load_state_dict(checkpoint["scaler"])
     loader.windows_consumed = checkpoint["windows_consumed"]
     if loader.rank < len(checkpoint["rng"]):  # a new rank keeps its seed
-        rng = checkpoint["rng"][loader.rank]
-        torch.set_rng_state(rng["torch_cpu"])
-        if rng["torch_cuda"] and device.startswith("cuda"):
-            torch.cuda.set_rng_state(rng["torch_cuda"][0], device)
+        restore_rng_states(checkpoint["rng"][loader.rank], device)
     saved, step, tokens = checkpoint["config"], checkpoint["step"], loader.stream.num_tokens
     if checkpoint["train_tokens"] != tokens:
         log.info(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
@@ -1586,6 +1583,12 @@ def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, devic
                  f"{lr_at(step, old_cfg):.4e}")
     log.info(f"resumed from step {step} ({checkpoint['windows_consumed']:,} windows into the data)")
     return step
+
+
+def restore_rng_states(states, device):
+    torch.set_rng_state(states["torch_cpu"])
+    if states["torch_cuda"] and device.startswith("cuda"):
+        torch.cuda.set_rng_state(states["torch_cuda"][0], device)
 
 
 def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir):
@@ -1619,9 +1622,7 @@ def write_checkpoint(cfg, launch, device, model, optimizers, scaler, loader, ste
     if cfg.shard_optimizer and launch.world_size > 1:
         for optimizer in optimizers:
             optimizer.consolidate_state_dict(to=0)  # each rank sends its share
-    # torch's generators; on CUDA this GPU's only (a new machine may have fewer)
-    rng = gather({"torch_cpu": torch.get_rng_state(), "torch_cuda": [torch.cuda.get_rng_state(
-        device)] if device.startswith("cuda") else []}, launch)
+    rng = gather(rng_states(device), launch)
 
     def save():
         state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
@@ -1631,6 +1632,12 @@ def write_checkpoint(cfg, launch, device, model, optimizers, scaler, loader, ste
                  "train_tokens": loader.stream.num_tokens}
         save_checkpoint(os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt"), state, cfg.keep_ckpts)
     on_every_rank(launch, lambda: launch.rank == 0 and save())
+
+
+def rng_states(device):
+    """torch's generators; on CUDA this GPU's only (a new machine may have fewer)."""
+    return {"torch_cpu": torch.get_rng_state(),
+            "torch_cuda": [torch.cuda.get_rng_state(device)] if device.startswith("cuda") else []}
 
 
 def save_checkpoint(path, state, keep):

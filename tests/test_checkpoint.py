@@ -509,8 +509,7 @@ def test_resume_checks_a_model_field_a_hacker_adds_and_names_a_changed_flag_adde
     fields.append(("lr_floor", float, t.flag(0.0, "a hacker's flag: the lowest learning rate", "optimizer")))
     monkeypatch.setattr(t, "TrainConfig", dataclasses.make_dataclass("TrainConfig", fields))
     monkeypatch.setattr(t, "GPTConfig", config_with(2))
-    assert t.parse_args(["--lr_floor", "1e-5"]).lr_floor == 1e-5 and "lr_floor" in t.section_fields(
-        "optimizer")
+    assert t.parse_args(["--lr_floor", "1e-5"]).lr_floor == 1e-5
     run(["--max_steps", "4", "--warmup_steps", "1"], tmp_path)
     assert t.load_checkpoint(str(tmp_path / "ckpt_4.pt"))["model_config"]["n_kv_head"] == 2
     capsys.readouterr()
