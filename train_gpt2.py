@@ -647,11 +647,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 RESUME_AUTO = "run the same command with --resume auto"
 
 
-class ConfigError(Exception):
-    """A user mistake (or diverged run): one line, exit 2."""
+class RunError(Exception):
+    """Why the run cannot go on (a user mistake, a full disk, a corrupt checkpoint, a diverged
+    loss): one line, `error: ...`, exit 2, on every rank."""
 
 
-class DownloadError(ConfigError):
+class DownloadError(RunError):
     """A file from the network could not be fetched."""
 
 
@@ -664,7 +665,7 @@ def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str
         if problem is None:
             check_config(cfg, launch.world_size)
             machine_cfg, notes = device_settings(cfg, launch)  # cfg with the machine's picks
-    except ConfigError as error:
+    except RunError as error:
         problem = error
     device = machine_cfg.device if problem is None else "cpu"
     init_distributed(launch, device)
@@ -680,7 +681,7 @@ def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str
         else:
             with catching_stop_signals() as stop_signal:
                 result = train(cfg, launch, device, stop_signal, notes)
-    except ConfigError as error:  # on every rank: rank 0 says it
+    except RunError as error:  # on every rank: rank 0 says it
         if launch.rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
         if launch.torchrun:
@@ -729,14 +730,13 @@ def parse_args(argv: list[str]) -> TrainConfig:
     model_flags = {name for name in model_config if name != "dropout" and hasattr(cfg, name)}
     clashes = sorted(n for n in model_flags & given.keys() if given[n] != model_config[n])
     if clashes:  # its weights are of its shape
-        raise ConfigError(f"--init_from {cfg.init_from} has " + ", ".join(
+        raise RunError(f"--init_from {cfg.init_from} has " + ", ".join(
             f"{name} {model_config[name]}" for name in clashes) + ": drop " + " ".join(
             f"--{name} {given[name]}" for name in clashes))
-    taken = {name: model_config[name] for name in model_flags}
-    if cfg.eval_only:  # evaluated on windows and steps of its run's size (said in the result)
-        taken |= {name: run_config[name] for name in run_config if name not in given and name in
-                  ("seq_len", "micro_batch_size", "total_batch_size", "eval_steps")}
-    return dataclasses.replace(cfg, **taken)
+    taken = {name: model_config[name] for name in model_flags}  # and, unless given, its run's
+    taken |= {name: run_config[name] for name in run_config.keys() - given if name in (
+        "seq_len", "micro_batch_size", "total_batch_size", "eval_steps")}
+    return dataclasses.replace(cfg, **taken)  # the start line and --eval_only's line say so
 
 
 def init_from_settings(init_from) -> tuple[dict, dict]:
@@ -756,16 +756,16 @@ class _OneLineErrorParser(argparse.ArgumentParser):
         close = [difflib.get_close_matches(typo, self._option_string_actions, 1) for typo in typos]
         if any(close):
             message += f": did you mean {' or '.join(match[0] for match in close if match)}?"
-        raise ConfigError(f"{message} (see --help)")
+        raise RunError(f"{message} (see --help)")
 
 
 def check_config(cfg, world_size):
     if cfg.init_from not in ("", *MODEL_SHAPES) and not os.path.isfile(cfg.init_from):
-        raise ConfigError(missing_checkpoint(cfg.init_from, "--init_from"))
+        raise RunError(missing_checkpoint(cfg.init_from, "--init_from"))
     for name in ["n_layer", "n_head", "n_embd", "block_size", "vocab_size", "total_batch_size",
                  "micro_batch_size", "seq_len", "max_steps", "eval_steps", "num_samples", "top_k"]:
         if getattr(cfg, name) < 1:
-            raise ConfigError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
+            raise RunError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
     negative = [f"--{name} {getattr(cfg, name)}" for name in (
         "eval_every", "sample_every", "hellaswag_every", "ckpt_every", "keep_ckpts", "grad_clip",
         "stop_after_steps", "loss_chunk_size", "max_new_tokens", "weight_decay")
@@ -817,7 +817,7 @@ def check_config(cfg, world_size):
     ]
     for mistake, message in mistakes:
         if mistake:
-            raise ConfigError(message)
+            raise RunError(message)
 
 
 def micro_batch_that_divides(cfg, world_size, at_most):
@@ -842,12 +842,12 @@ def device_settings(cfg, launch) -> tuple[TrainConfig, list[str]]:
     dtype = cfg.dtype if cfg.dtype != "auto" else "float32" if not gpu else (
         "bfloat16" if bf16 else "float16")
     if gpu and dtype == "bfloat16" and not bf16:
-        raise ConfigError(f"--dtype bfloat16: {card} (compute capability {major}.{minor}) has no "
+        raise RunError(f"--dtype bfloat16: {card} (compute capability {major}.{minor}) has no "
                           "bfloat16 arithmetic: use --dtype float16")
     auto = cfg.compile is None and not cfg.generate  # compiling outlasts --generate
     compile = gpu and not blocker if auto else bool(cfg.compile)  # on CUDA
     if compile and blocker:
-        raise ConfigError(f"--compile cannot run on {card}: {blocker}; use --no-compile")
+        raise RunError(f"--compile cannot run on {card}: {blocker}; use --no-compile")
     peaks = [tf32 if dtype == "float32" else half for pattern, half, tf32 in PEAK_TFLOPS
              if gpu and re.search(pattern, card)]  # the first row that fits, unless given
     notes = [f"compile off: {blocker} ({COMPILE_GAIN})"] if auto and blocker else []
@@ -866,22 +866,22 @@ def pick_device(requested, launch, gpu_count, mps_available):
     if requested == "auto":
         requested = "cuda" if gpu_count else "mps" if mps_available else "cpu"
     if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", requested):
-        raise ConfigError(f"unknown --device {requested!r}: use auto, cpu, cuda, cuda:N or mps")
+        raise RunError(f"unknown --device {requested!r}: use auto, cpu, cuda, cuda:N or mps")
     kind, _, index = requested.partition(":")
     if kind == "cuda" and not gpu_count or kind == "mps" and not mps_available:
-        raise ConfigError(f"--device {requested} is not available on this machine: use --device "
+        raise RunError(f"--device {requested} is not available on this machine: use --device "
                           "auto or cpu")
     if kind == "cuda" and launch.torchrun and index and launch.world_size > 1:
-        raise ConfigError(f"--device {requested} names one GPU for {launch.world_size} processes: "
+        raise RunError(f"--device {requested} names one GPU for {launch.world_size} processes: "
                           "use --device cuda")
     if kind == "cuda" and launch.torchrun and not index:  # one GPU per process
         if launch.local_world_size > gpu_count:
-            raise ConfigError(f"{launch.local_world_size} processes on this machine, which has "
+            raise RunError(f"{launch.local_world_size} processes on this machine, which has "
                               f"{gpu_count} GPU(s): start one process a GPU "
                               f"(torchrun --nproc_per_node={gpu_count})")
         return f"cuda:{launch.local_rank}"
     if index and int(index) >= gpu_count:
-        raise ConfigError(f"--device {requested} is not on this machine, which has {gpu_count} "
+        raise RunError(f"--device {requested} is not on this machine, which has {gpu_count} "
                           f"GPU(s), cuda:0 to cuda:{gpu_count - 1}: pick one of those")
     return "cuda:0" if requested == "cuda" else requested  # torch.cuda.set_device needs an index
 
@@ -893,7 +893,7 @@ def check_kernels(card, major, minor, arch_list: list[str]):
         if built <= (major, minor) and (kind == "compute" or built[0] == major):
             return
     if torch.version.hip is None:  # cu126: 5.0 to 9.0; cu130: 7.5 up
-        raise ConfigError(f"{card} (compute capability {major}.{minor}) has no kernels in torch "
+        raise RunError(f"{card} (compute capability {major}.{minor}) has no kernels in torch "
                           f"{torch.__version__}, built for {' '.join(arch_list)}: pip install "
                           "torch --index-url https://download.pytorch.org/whl/cu126")
 
@@ -918,7 +918,7 @@ def compile_blocker(major, minor, environ):
 
 
 # ------------------------------ every rank agrees, or all stop
-def check_same_command(cfg, problem: ConfigError | None, launch):
+def check_same_command(cfg, problem: RunError | None, launch):
     """Raise flags that differ between ranks, then any rank's problem, on every rank."""
     reports = gather((problem and str(problem), cfg and dataclasses.asdict(cfg)), launch)
     parsed = [(rank, flags) for rank, (_, flags) in enumerate(reports) if flags is not None]
@@ -926,7 +926,7 @@ def check_same_command(cfg, problem: ConfigError | None, launch):
                  for name, value in (parsed[0][1].items() if parsed else ())
                  for rank, flags in parsed[1:] if flags[name] != value]
     if differing:
-        raise ConfigError("the processes were started with different flags "
+        raise RunError("the processes were started with different flags "
                           f"({', '.join(differing)}): start every machine with the same command")
     raise_first_problem([problem for problem, _ in reports])
 
@@ -942,7 +942,7 @@ def raise_first_problem(problems: list[str | None]):
     """Raise the lowest rank's problem, if any, on every rank."""
     for rank, problem in enumerate(problems):
         if problem is not None:
-            raise ConfigError(problem if rank == 0 else f"{problem} (on rank {rank})")
+            raise RunError(problem if rank == 0 else f"{problem} (on rank {rank})")
 
 
 @contextlib.contextmanager
@@ -1023,7 +1023,7 @@ class MetricsLog:
                 f.write(json.dumps(record) + "\n")
             if self.tensorboard:
                 self.write_events([record])
-        except ConfigError as error:
+        except RunError as error:
             os.truncate(self.path, size)  # no half record left
             self.problem = str(error)
 
@@ -1041,7 +1041,9 @@ class MetricsLog:
             f"device {device}{card} ({cfg.dtype}, compile {'on' if cfg.compile else 'off'}"
             f"{mfu}), {W} process(es); {params:,} parameters; {cfg.total_batch_size:,} tokens "
             f"per step = {accum_steps} micro-steps x {W} process(es) x {cfg.micro_batch_size} "
-            f"x {cfg.seq_len}; {sharded}{loader.stream.num_tokens:,} train tokens")]))
+            f"x {cfg.seq_len}; {sharded}{loader.stream.num_tokens:,} train tokens" + (
+                f"; flags not given: {cfg.init_from}'s seq_len, batch sizes, eval_steps"
+                if os.path.isfile(cfg.init_from) else ""))]))
 
     def train_step(self, step, cfg, loss, lr, grad_norm, ms, loader):
         """Log the step; a loss or norm not finite stops the run (every rank holds the same)."""
@@ -1122,7 +1124,7 @@ def read_inputs_and_open_log(cfg, launch, log) -> "Inputs":
                     inputs.val_tokens.num_tokens, inputs.checkpoint and inputs.checkpoint["step"]),
                    launch)
     if len(set(found)) > 1:
-        raise ConfigError(f"the ranks found different data or checkpoints ((train tokens, val "
+        raise RunError(f"the ranks found different data or checkpoints ((train tokens, val "
                           f"tokens, checkpoint step) on each: {found}): give every machine the "
                           "same shards and a shared --log_dir")
     on_every_rank(launch, lambda: launch.rank == 0 and open_log_dir(cfg, log, inputs.checkpoint))
@@ -1130,10 +1132,10 @@ def read_inputs_and_open_log(cfg, launch, log) -> "Inputs":
 
 
 def on_every_rank(launch, work):
-    """work()'s value; a ConfigError on any rank is raised on every rank (the lowest rank's)."""
+    """work()'s value; a RunError on any rank is raised on every rank (the lowest rank's)."""
     try:
         value, problem = work(), None
-    except ConfigError as error:
+    except RunError as error:
         value, problem = None, str(error)
     raise_first_problem(gather(problem, launch))
     return value
@@ -1141,7 +1143,7 @@ def on_every_rank(launch, work):
 
 def read_inputs(cfg, launch, log) -> "Inputs":
     if (earlier := checkpoint_paths(cfg.log_dir)) and not cfg.resume:  # --resume auto takes them
-        raise ConfigError(f"--log_dir {cfg.log_dir} holds an earlier run's checkpoints "
+        raise RunError(f"--log_dir {cfg.log_dir} holds an earlier run's checkpoints "
                           f"({os.path.basename(earlier[0])}): continue it with --resume auto, "
                           "or pass another --log_dir")
     checkpoint = find_resume_checkpoint(cfg, log.info)
@@ -1164,7 +1166,7 @@ def open_log_dir(cfg, log, checkpoint):
         os.makedirs(cfg.log_dir, exist_ok=True)
     except OSError as error:
         why = "it is a file" if os.path.isfile(cfg.log_dir) else error.strerror
-        raise ConfigError(f"cannot make --log_dir {cfg.log_dir} ({why}): give a folder you can "
+        raise RunError(f"cannot make --log_dir {cfg.log_dir} ({why}): give a folder you can "
                           "write to") from None
     log.begin(checkpoint and checkpoint["step"])
     remove_killed_writes(cfg.log_dir)
@@ -1184,7 +1186,7 @@ def find_resume_checkpoint(cfg, say) -> dict | None:
     for path in checkpoint_paths(cfg.log_dir):
         try:
             return load_checkpoint(path)
-        except ConfigError as error:
+        except RunError as error:
             say(f"warning: skipping {error}")
     say(f"--resume auto: no checkpoint in {cfg.log_dir}, starting from scratch")
     return None
@@ -1202,25 +1204,25 @@ def missing_checkpoint(path, flag) -> str:
 
 def load_checkpoint(path, flag="--resume"):
     if not os.path.isfile(path):
-        raise ConfigError(missing_checkpoint(path, flag))
+        raise RunError(missing_checkpoint(path, flag))
     not_ours, give = f"{flag} {path} is not a checkpoint", "give a ckpt_<step>.pt from a --log_dir"
     with open(path, "rb") as f:
         if f.read(4) != b"PK\x03\x04":  # torch.save writes zip files
-            raise ConfigError(f"{not_ours} (not a file torch.save wrote): {give}")
+            raise RunError(f"{not_ours} (not a file torch.save wrote): {give}")
     checksum = Path(f"{path}.sha256")
     if checksum.exists() and checksum.read_text().strip() != file_sha256(path):
-        raise ConfigError(f"checkpoint {path} is corrupt (its sha256 differs from {checksum}): "
+        raise RunError(f"checkpoint {path} is corrupt (its sha256 differs from {checksum}): "
                           "resume from an older checkpoint")
     try:  # the GPU may lack room beside the model
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # a cut or foreign file fails in many ways
         fix = "resume from an older checkpoint" if flag == "--resume" else "give another checkpoint"
-        raise ConfigError(f"cannot read checkpoint {path} ({str(error).splitlines()[0]}): {fix}") \
+        raise RunError(f"cannot read checkpoint {path} ({str(error).splitlines()[0]}): {fix}") \
             from None
     if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
         holds = (f"keys {', '.join(map(str, checkpoint))}" if isinstance(checkpoint, dict)
                  else type(checkpoint).__name__)
-        raise ConfigError(f"{not_ours} of train_gpt2.py (it holds {holds}): {give}")
+        raise RunError(f"{not_ours} of train_gpt2.py (it holds {holds}): {give}")
     checkpoint["path"] = path
     return checkpoint
 
@@ -1256,7 +1258,7 @@ def checkpoint_model_config(checkpoint, cfg) -> GPTConfig:
     held flags there, as recompute: this run's). A field the file lacks: the default."""
     saved, known = checkpoint["model_config"], {f.name for f in dataclasses.fields(GPTConfig)}
     if unknown := [name for name in saved if name not in known and not hasattr(cfg, name)]:
-        raise ConfigError(f"{checkpoint['path']} holds model field(s) {', '.join(unknown)} that "
+        raise RunError(f"{checkpoint['path']} holds model field(s) {', '.join(unknown)} that "
                           "GPTConfig lacks: add them to GPTConfig, or use the code that wrote it")
     return GPTConfig(**{**{k: v for k, v in saved.items() if k in known}, "dropout": cfg.dropout})
 
@@ -1272,7 +1274,7 @@ def load_openai_weights(name):
         socket.create_connection((url.hostname, url.port or 443), timeout=10).close()
         return state_from_openai(load(name).state_dict())
     except OSError as error:
-        raise ConfigError(f"cannot download {name} from {ENDPOINT} ({str(error).splitlines()[0]}): "
+        raise RunError(f"cannot download {name} from {ENDPOINT} ({str(error).splitlines()[0]}): "
                           "connect to the network, or give a checkpoint") from None
 
 
@@ -1286,7 +1288,7 @@ def import_transformers(flag):
         transformers.utils.logging.disable_progress_bar()
         return transformers
     except ImportError:
-        raise ConfigError(f"{flag} needs the transformers library: pip install transformers") \
+        raise RunError(f"{flag} needs the transformers library: pip install transformers") \
             from None
     finally:
         logging.disable(logging.NOTSET)
@@ -1311,7 +1313,7 @@ def check_weights_fit(weights: dict, model_config: GPTConfig, source, flag):
                    if name in given and given[name] != wanted[name]])
     if problems:
         more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
-        raise ConfigError(f"{flag} {source} does not fit this model ({'; '.join(problems[:3])}"
+        raise RunError(f"{flag} {source} does not fit this model ({'; '.join(problems[:3])}"
                           f"{more}): the model's code changed since it was saved; start a new "
                           "run, or use the code that wrote it")
 
@@ -1324,10 +1326,10 @@ def check_resumable(checkpoint: dict, cfg, model_config: GPTConfig):
                   for name in ("total_batch_size", "seq_len")  # the data position's unit
                   if checkpoint["config"][name] != getattr(cfg, name)]
     if differing:
-        raise ConfigError(f"cannot resume from {checkpoint['path']}: {', '.join(differing)} (they "
+        raise RunError(f"cannot resume from {checkpoint['path']}: {', '.join(differing)} (they "
                           "define its weights, schedule and data position): use its values")
     if (trained_with := checkpoint["config"]["optimizer"]) != cfg.optimizer:
-        raise ConfigError(f"cannot resume from {checkpoint['path']} with --optimizer "
+        raise RunError(f"cannot resume from {checkpoint['path']} with --optimizer "
                           f"{cfg.optimizer}: it holds {trained_with}'s state; resume with "
                           f"--optimizer {trained_with}, or start a new run from its weights with "
                           f"--init_from {checkpoint['path']}")
@@ -1351,7 +1353,7 @@ def open_token_streams(cfg, with_val) -> tuple[TokenStream, TokenStream | None]:
          f"--eval_steps or --total_batch_size, or use more data ({more})")]:
         held = stream and max(0, stream.num_tokens - 1) // T  # DataLoader's windows
         if stream and held < windows:
-            raise ConfigError(f"the {name} data holds {stream.num_tokens:,} tokens, {held:,} "
+            raise RunError(f"the {name} data holds {stream.num_tokens:,} tokens, {held:,} "
                               f"windows of {T} + 1, but {need} needs {windows:,}: {fix}")
     return streams[0], streams[1] if with_val else None
 
@@ -1389,7 +1391,7 @@ def write_atomically(path, write, then=RESUME_AUTO):
 
 @contextlib.contextmanager
 def failed_write_is_one_line(path, then=RESUME_AUTO):
-    """A failed write (full disk, quota) as one ConfigError naming the folder."""
+    """A failed write (full disk, quota) as one RunError naming the folder."""
     try:
         yield
     except (OSError, RuntimeError) as error:  # torch.save's RuntimeError wraps the OSError
@@ -1398,7 +1400,7 @@ def failed_write_is_one_line(path, then=RESUME_AUTO):
             cause = cause.__cause__ or cause.__context__
         if cause is None:
             raise
-        raise ConfigError(f"cannot write {path} ({cause.strerror or cause}): make room in "
+        raise RunError(f"cannot write {path} ({cause.strerror or cause}): make room in "
                           f"{os.path.dirname(path) or '.'}, then {then}") from None
 
 
@@ -1435,13 +1437,13 @@ class CheckedTokenStream(TokenStream):
 
 def find_shards(data_dir, split):
     if not os.path.isdir(data_dir):
-        raise ConfigError(f"--data_dir {data_dir} is not a folder: run fineweb.py to make shards, "
+        raise RunError(f"--data_dir {data_dir} is not a folder: run fineweb.py to make shards, "
                           "or fix the path")
     if os.path.exists(os.path.join(data_dir, "INCOMPLETE")):  # fineweb.py's, until done
-        raise ConfigError(f"--data_dir {data_dir} is incomplete (fineweb.py's INCOMPLETE file is "
+        raise RunError(f"--data_dir {data_dir} is incomplete (fineweb.py's INCOMPLETE file is "
                           "there): wait for fineweb.py, or rerun it with --resume")
     if not (paths := sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.npy")))):
-        raise ConfigError(f"no {split} shards (*_{split}_*.npy) in --data_dir {data_dir}: "
+        raise RunError(f"no {split} shards (*_{split}_*.npy) in --data_dir {data_dir}: "
                           "run fineweb.py to make them")
     return paths
 
@@ -1451,13 +1453,13 @@ def open_shard(path):
     try:
         tokens = np.load(path, mmap_mode="r")
     except OSError as error:  # a folder, no permission, a bad disk
-        raise ConfigError(f"cannot read shard {path} ({error.strerror or error}): check the file") \
+        raise RunError(f"cannot read shard {path} ({error.strerror or error}): check the file") \
             from None
     except (ValueError, EOFError):  # no .npy header: numpy calls it "pickled data"
-        raise ConfigError(f"cannot read shard {path}: it is not a .npy file (empty, cut short or "
+        raise RunError(f"cannot read shard {path}: it is not a .npy file (empty, cut short or "
                           "another format): delete it and rerun fineweb.py") from None
     if tokens.dtype != np.uint16 or tokens.ndim != 1 or len(tokens) < 1:
-        raise ConfigError(f"shard {path} holds {tokens.dtype} of shape {tokens.shape}, not a 1-D "
+        raise RunError(f"shard {path} holds {tokens.dtype} of shape {tokens.shape}, not a 1-D "
                           "uint16 array of tokens: rerun fineweb.py")
     return tokens
 
@@ -1466,12 +1468,12 @@ def read_text_tokens(path):
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"--text_file {path} does not exist: give a text file, or --data_dir "
+        raise RunError(f"--text_file {path} does not exist: give a text file, or --data_dir "
                           "with fineweb.py's shards") from None
     except (OSError, UnicodeDecodeError) as error:
         reason = (error.strerror if isinstance(error, OSError)
                   else f"not UTF-8: {error.reason} at byte {error.start}")
-        raise ConfigError(f"cannot read --text_file {path} ({reason}): give a UTF-8 text file") \
+        raise RunError(f"cannot read --text_file {path} ({reason}): give a UTF-8 text file") \
             from None
     return np.array(gpt2_tokenizer().encode_ordinary(text), dtype=np.uint16)
 
@@ -1481,7 +1483,7 @@ def gpt2_tokenizer():
     try:
         return tiktoken.get_encoding("gpt2")
     except (OSError, ValueError) as error:  # offline; a damaged file
-        raise ConfigError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
+        raise RunError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
                           "downloads its two files once; connect to the network, or set "
                           "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
 
@@ -1495,7 +1497,7 @@ def open_hellaswag(cfg, launch, block_size):
                 for example in examples[launch.rank :: launch.world_size]]
     if (longest := max((tokens.size(1) for tokens, _, _ in rendered), default=0)) > block_size:
         fix = "" if cfg.eval_only else ", or drop --hellaswag_every"
-        raise ConfigError(f"the longest HellaSwag example in {path} takes {longest} tokens, more "
+        raise RunError(f"the longest HellaSwag example in {path} takes {longest} tokens, more "
                           f"than the model's block_size of {block_size}: HellaSwag needs "
                           f"--block_size {longest} or more{fix}")
     return pack_hellaswag(rendered, min(8192, cfg.micro_batch_size * cfg.seq_len))  # padding too
@@ -1517,11 +1519,11 @@ def read_hellaswag(path):
             except (json.JSONDecodeError, KeyError, TypeError):
                 valid = False
             if not valid:
-                raise ConfigError(f"{path} line {line_number} is not a HellaSwag record (ctx, "
+                raise RunError(f"{path} line {line_number} is not a HellaSwag record (ctx, "
                                   "4 endings, label 0-3)")
             examples.append(example)
     if not examples:
-        raise ConfigError(f"{path} holds no HellaSwag records: give hellaswag_val.jsonl's path")
+        raise RunError(f"{path} holds no HellaSwag records: give hellaswag_val.jsonl's path")
     return examples
 
 
@@ -1598,7 +1600,7 @@ def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir):
     saved = checkpoint_paths(log_dir)
     go_back = (f"go on from {saved[0]} (--resume {saved[0]}), or an older checkpoint if the loss "
                "was rising there already," if saved else "start again")
-    raise ConfigError(f"training diverged at step {step}: loss {train_loss:.4g}, gradient norm "
+    raise RunError(f"training diverged at step {step}: loss {train_loss:.4g}, gradient norm "
                       f"{grad_norm:.4g}; nothing was saved from this step: {go_back} with a lower "
                       "--max_lr or more --warmup_steps")
 
@@ -1775,7 +1777,7 @@ def export_hf(cfg):
     try:
         import blobfile  # noqa: F401 (the tokenizer's converter uses it)
     except ImportError:
-        raise ConfigError("--export_hf needs blobfile to convert the tokenizer: pip install "
+        raise RunError("--export_hf needs blobfile to convert the tokenizer: pip install "
                           "blobfile") from None
     from safetensors import SafetensorError
     from transformers.integrations.tiktoken import convert_tiktoken_to_fast
@@ -1789,7 +1791,7 @@ def export_hf(cfg):
     for name in {**ours, **gpt2}:  # a hacked model's (a smaller vocabulary's too) onto GPT-2's
         shapes = [tuple(s[name].shape) if name in s else "absent" for s in (ours, gpt2)]
         if shapes[0] != shapes[1]:
-            raise ConfigError(f"cannot export {cfg.init_from} as GPT-2: its {name} is "
+            raise RunError(f"cannot export {cfg.init_from} as GPT-2: its {name} is "
                               f"{shapes[0]}, GPT-2's is {shapes[1]}")
     hf_model.load_state_dict(ours)
 
@@ -1826,7 +1828,7 @@ def check_export(exported, model_config: GPTConfig, state):
         expected = ours.eval()(tokens)[0][..., :GPT2_VOCAB_SIZE]
         difference = (exported.eval()(tokens).logits - expected).abs().max().item()
     if difference > 1e-4 * max(1.0, expected.abs().max().item()):
-        raise ConfigError(f"the exported model's logits differ from ours by up to "
+        raise RunError(f"the exported model's logits differ from ours by up to "
                           f"{difference:.3g}: the model no longer matches GPT-2's architecture in "
                           "transformers, so it cannot be exported as GPT-2")
 
@@ -1834,6 +1836,6 @@ def check_export(exported, model_config: GPTConfig, state):
 if __name__ == "__main__":
     try:
         config, parse_problem = parse_args(sys.argv[1:]), None
-    except ConfigError as error:  # the other ranks hear of it
+    except RunError as error:  # the other ranks hear of it
         config, parse_problem = None, error
     main(config, problem=parse_problem)

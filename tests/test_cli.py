@@ -93,7 +93,7 @@ def error_line_in_process(args, capsys):
     """What `python train_gpt2.py ARGS` prints on stderr for a mistake, as its __main__ block runs it."""
     try:
         cfg = t.parse_args(args)
-    except t.ConfigError as error:
+    except t.RunError as error:
         return f"error: {error}"
     with pytest.raises(SystemExit) as exited:
         t.main(cfg, t.launch_from_env({}))
@@ -216,7 +216,7 @@ def test_more_config_mistakes(args, message):
     import train_gpt2 as t
 
     flags = TINY_ARGS_WITHOUT_SHAPE if "--init_from" in args else TINY_ARGS
-    with pytest.raises(t.ConfigError) as raised:
+    with pytest.raises(t.RunError) as raised:
         t.check_config(t.parse_args(flags + args), world_size=1)
     assert str(raised.value) == message
 
@@ -230,7 +230,7 @@ def test_a_missing_text_file_is_one_line(capsys, tmp_path):
 
 @pytest.mark.parametrize("mode", [["--generate"], ["--export_hf", "hf", "--init_from", "gpt2"]])
 def test_generate_or_export_under_torchrun_names_only_that(mode):
-    with pytest.raises(t.ConfigError) as raised:
+    with pytest.raises(t.RunError) as raised:
         t.check_config(t.parse_args(mode), world_size=2)
     assert str(raised.value) == f"{mode[0]} runs in one process: use python, not torchrun"
 
@@ -244,7 +244,7 @@ def test_generate_and_export_read_no_data_so_a_missing_data_file_is_no_mistake(m
 def test_one_gpu_named_for_several_processes():
     import train_gpt2 as t
 
-    with pytest.raises(t.ConfigError) as raised:
+    with pytest.raises(t.RunError) as raised:
         t.pick_device("cuda:1", t.Launch(rank=0, local_rank=0, world_size=2, torchrun=True), 2, False)
     assert str(raised.value) == "--device cuda:1 names one GPU for 2 processes: use --device cuda"
     two_machines_of_2 = t.Launch(rank=3, local_rank=1, world_size=4, torchrun=True, local_world_size=2)
@@ -261,7 +261,7 @@ def test_one_gpu_named_for_several_processes():
                            "one of those"),
 ])
 def test_more_gpus_asked_for_than_the_machine_has(device, launch, message):
-    with pytest.raises(t.ConfigError) as refused:
+    with pytest.raises(t.RunError) as refused:
         t.pick_device(device, launch, 4, False)
     assert f"error: {refused.value}" == message
     assert t.pick_device(device, launch, 8, False) == ("cuda:0" if launch.torchrun else "cuda:4")  # 8 GPUs: fine
@@ -290,6 +290,6 @@ def test_sequence_longer_than_the_checkpoint_model(tmp_path):
     t.main(t.parse_args(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path)]))  # block_size 64
     cfg = t.parse_args(["--init_from", str(tmp_path / "ckpt_2.pt"), "--seq_len", "128", "--device", "cpu"])
     assert cfg.block_size == 64  # the checkpoint's
-    with pytest.raises(t.ConfigError) as raised:
+    with pytest.raises(t.RunError) as raised:
         t.check_config(cfg, 1)
     assert str(raised.value) == "--seq_len 128 is longer than --block_size 64: lower --seq_len"

@@ -112,7 +112,7 @@ def test_data_with_fewer_windows_than_a_step_is_refused(monkeypatch):
     assert [loader(arange_stream(n)).num_windows for n in (16, 17, 0)] == [3, 4, 0]  # an empty file: not -1 windows
     cfg = t.parse_args(["--seq_len", "4", "--micro_batch_size", "2", "--total_batch_size", "16"])
     monkeypatch.setattr(t, "load_token_streams", lambda cfg: (arange_stream(16), arange_stream(17)))
-    with pytest.raises(t.ConfigError, match=r"^the training data holds 16 tokens, 3 windows of 4 \+ 1, but one step "
+    with pytest.raises(t.RunError, match=r"^the training data holds 16 tokens, 3 windows of 4 \+ 1, but one step "
                                             r"of --total_batch_size 16 tokens needs 4: train on more data"):
         t.open_token_streams(cfg, with_val=False)
 
@@ -125,7 +125,7 @@ def test_a_text_file_that_cannot_be_read_is_one_line(tmp_path, content, reason):
         path.mkdir()
     else:
         path.write_bytes(content)
-    with pytest.raises(t.ConfigError) as raised:
+    with pytest.raises(t.RunError) as raised:
         t.read_text_tokens(str(path))
     assert str(raised.value) == f"cannot read --text_file {path} ({reason}): give a UTF-8 text file"
 
@@ -169,7 +169,7 @@ def test_shards_are_memory_mapped_and_read_as_one_stream(tmp_path):
 def test_shard_of_the_wrong_dtype_is_named(tmp_path):
     write_shards(tmp_path, {"val": [50], "train": [30]})
     np.save(tmp_path / "tiny_train_000001.npy", np.arange(30, dtype=np.int32))
-    with pytest.raises(t.ConfigError, match=r"shard .*tiny_train_000001.npy holds int32 of shape \(30,\), not a 1-D uint16"):
+    with pytest.raises(t.RunError, match=r"shard .*tiny_train_000001.npy holds int32 of shape \(30,\), not a 1-D uint16"):
         t.load_token_streams(t.parse_args(["--data_dir", str(tmp_path)]))
 
 
@@ -183,7 +183,7 @@ def test_a_last_shard_of_one_token_is_read(tmp_path):
 def test_unreadable_shard_is_named(tmp_path):
     write_shards(tmp_path, {"val": [50], "train": [30]})
     (tmp_path / "tiny_train_000001.npy").write_bytes(b"not a numpy file")
-    with pytest.raises(t.ConfigError, match=r"cannot read shard .*tiny_train_000001.npy"):
+    with pytest.raises(t.RunError, match=r"cannot read shard .*tiny_train_000001.npy"):
         t.load_token_streams(t.parse_args(["--data_dir", str(tmp_path)]))
 
 
@@ -192,7 +192,7 @@ def test_a_shard_that_is_no_npy_file_is_named_without_blaming_pickles(tmp_path, 
     """0 bytes was an EOFError traceback; the others were said to hold "pickled (object) data"."""
     write_shards(tmp_path, {"val": [50], "train": [30]})
     (tmp_path / "tiny_train_000000.npy").write_bytes(content)
-    with pytest.raises(t.ConfigError) as raised:
+    with pytest.raises(t.RunError) as raised:
         t.load_token_streams(t.parse_args(["--data_dir", str(tmp_path)]))
     assert str(raised.value) == (f"cannot read shard {tmp_path / 'tiny_train_000000.npy'}: it is not a .npy file "
                                  "(empty, cut short or another format): delete it and rerun fineweb.py")

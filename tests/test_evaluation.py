@@ -550,6 +550,12 @@ def test_eval_only_on_a_runs_checkpoint_takes_its_batch_shape_and_without_hellas
         f"to {tmp_path / 'cache' / 'hellaswag_val.jsonl'} (<urlopen error [Errno 111] Connection refused>): pass "
         "--hellaswag_path with a local copy of it\n")
     assert t.parse_args(["--init_from", str(tmp_path / "log" / "ckpt_3.pt"), "--seq_len", "16"]).seq_len == 16
+    checkpoint = tmp_path / "log" / "ckpt_3.pt"  # a run from it takes them too, and its start line says so
+    tuned = t.main(t.parse_args(["--init_from", str(checkpoint), "--max_steps", "1", "--warmup_steps", "0",
+                                 "--eval_every", "0", "--sample_every", "0", "--device", "cpu", "--text_file",
+                                 TINY_ARGS[TINY_ARGS.index("--text_file") + 1], "--log_dir", str(tmp_path / "tuned")]))
+    assert len([r for r in tuned.records if "train_loss" in r]) == 1
+    assert f"train tokens; flags not given: {checkpoint}'s seq_len, batch sizes, eval_steps\n" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("change, problem", [

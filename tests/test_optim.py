@@ -80,7 +80,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_keeps_the_embeddings_biases_an
 
 def test_muon_is_refused_in_one_line_by_a_pytorch_without_it(monkeypatch):
     monkeypatch.delattr(torch.optim, "Muon")
-    with pytest.raises(t.ConfigError, match=r"^--optimizer muon needs torch.optim.Muon, new in PyTorch 2.9; this is "
+    with pytest.raises(t.RunError, match=r"^--optimizer muon needs torch.optim.Muon, new in PyTorch 2.9; this is "
                                             r"\S+: upgrade torch$"):
         t.check_config(t.parse_args(["--optimizer", "muon"]), world_size=1)
 

@@ -172,14 +172,16 @@ def test_every_command_the_readme_shows_passes_the_config_checks_as_written(tmp_
         cfg = None if "--help" in args else t.parse_args(args)
         if cfg and not (cfg.generate or cfg.eval_only or cfg.export_hf) and cfg.ckpt_every:
             os.makedirs(cfg.log_dir, exist_ok=True)
-            torch.save({"config": dataclasses.asdict(cfg)}, os.path.join(cfg.log_dir, f"ckpt_{cfg.max_steps}.pt"))
+            model_config = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(t.GPTConfig)}  # --init_from's
+            torch.save({"config": dataclasses.asdict(cfg), "model_config": model_config},
+                       os.path.join(cfg.log_dir, f"ckpt_{cfg.max_steps}.pt"))
     failures = []
     for line, world_size, args in commands:
         try:
             t.check_config(t.parse_args(args), world_size)
         except SystemExit as exited:  # --help: printed, exit 0
             failures += [] if exited.code == 0 else [f"README.md line {line}: {shlex.join(args)}: exit {exited.code}"]
-        except t.ConfigError as error:
+        except t.RunError as error:
             failures.append(f"README.md line {line}: {shlex.join(args)}: {error}")
     assert not failures, "\n".join(failures)
 
@@ -206,7 +208,7 @@ def test_every_error_line_the_troubleshooting_table_quotes_is_the_line_printed(t
     def full_disk():  # what the training loop's checkpoint write raises, and main prints after "error: "
         monkeypatch.setattr(torch, "save", lambda *args: (_ for _ in ()).throw(OSError(errno.ENOSPC, os.strerror(
             errno.ENOSPC))))
-        with pytest.raises(t.ConfigError) as refused:
+        with pytest.raises(t.RunError) as refused:
             t.save_checkpoint("log/ckpt_2000.pt", {}, keep=2)
         return f"error: {refused.value}"
 

@@ -149,7 +149,7 @@ def test_a_refused_run_makes_no_log_dir_and_downloads_nothing(mistake, expected,
     (["--no-kv-cahce"], "unrecognized arguments: --no-kv-cahce: did you mean --no-kv-cache?"),
 ])
 def test_an_unknown_flag_names_the_flag_it_is_close_to(typo, expected, capsys):
-    with pytest.raises(t.ConfigError) as raised:
+    with pytest.raises(t.RunError) as raised:
         t.parse_args(typo)
     assert str(raised.value) == f"{expected} (see --help)"
 
@@ -162,7 +162,7 @@ def test_an_unknown_flag_names_the_flag_it_is_close_to(typo, expected, capsys):
 ])
 def test_a_micro_batch_that_does_not_divide_the_step_names_the_largest_that_does(batch, world_size, fix):
     cfg = t.parse_args(batch)
-    with pytest.raises(t.ConfigError) as raised:
+    with pytest.raises(t.RunError) as raised:
         t.check_config(cfg, world_size)
     tokens = cfg.micro_batch_size * cfg.seq_len * world_size
     assert str(raised.value) == (f"--total_batch_size {cfg.total_batch_size} is not divisible by micro_batch_size x "
@@ -207,7 +207,7 @@ def test_a_model_field_a_hacker_adds_is_the_checkpoints_and_a_differing_flag_is_
     log, ckpt = ["--log_dir", str(tmp_path / "log")], str(tmp_path / "log" / "ckpt_2.pt")
     t.main(t.parse_args(TINY_ARGS + ["--max_steps", "4", "--stop_after_steps", "2", "--window", "16"] + log))
     tune = TINY_ARGS_WITHOUT_SHAPE + ["--max_steps", "1", "--warmup_steps", "0", "--init_from", ckpt]
-    with pytest.raises(t.ConfigError) as refused:
+    with pytest.raises(t.RunError) as refused:
         t.parse_args(tune + ["--window", "4", "--n_layer", "2"])  # the same n_layer passes
     assert str(refused.value) == f"--init_from {ckpt} has window 16: drop --window 4"
     tuned = t.main(t.parse_args(tune + ["--log_dir", str(tmp_path / "tuned")]))
@@ -215,7 +215,7 @@ def test_a_model_field_a_hacker_adds_is_the_checkpoints_and_a_differing_flag_is_
     with pytest.raises(SystemExit):
         t.main(t.parse_args(TINY_ARGS + ["--max_steps", "4", "--resume", "auto", "--window", "4"] + log))
     monkeypatch.undo()  # the code without the field, a checkpoint with it
-    with pytest.raises(t.ConfigError) as refused:
+    with pytest.raises(t.RunError) as refused:
         t.initial_weights(t.parse_args(TINY_ARGS_WITHOUT_SHAPE + ["--init_from", ckpt]))
     assert str(refused.value) == (f"{ckpt} holds model field(s) window that GPTConfig lacks: add them to GPTConfig, "
                                   "or use the code that wrote it")
