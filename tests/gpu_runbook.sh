@@ -156,7 +156,7 @@ smoke() {
   check resume 0 "^resumed from step 4 " "^step +5/6 \| val loss"
   run eval-only 60 python3 train_gpt2.py --eval_only --init_from "$checkpoint" --data_dir "$BENCH/edu_fineweb10B" \
     --hellaswag_path "$BENCH/hellaswag_made_up.jsonl" "${from_checkpoint[@]}"
-  check eval-only 0 "^val loss [0-9.]+ \| HellaSwag acc_norm .* over 200 examples"
+  check eval-only 0 "^val loss [0-9.]+ over [0-9]+ x [0-9,]+ tokens \| HellaSwag acc_norm .* over 200 examples"
   # the 124M shape, 4 samples x 256 tokens; the goals: 1,500 tokens/s or more, 5,000 with --compile
   for variant in cache:--kv_cache no-cache:--no-kv_cache compiled:--compile; do
     run "generate-${variant%%:*}" 120 python3 train_gpt2.py --generate --init_from "$checkpoint" --num_samples 4 \

@@ -304,6 +304,28 @@ def test_an_export_of_a_changed_architecture_is_refused_and_leaves_no_folder(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]
 
 
+def test_an_export_of_a_model_masked_by_documents_is_refused(tmp_path, capsys, monkeypatch):
+    """The check scored random ids, which almost never hold <|endoftext|>: a model that attends within documents
+    was exported, and transformers disagreed by 4.97 logits on real text (issue 55). Its tokens now hold some."""
+    pytest.importorskip("transformers")
+    t.main(t.parse_args(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path / "log")]))
+
+    def by_documents(query_positions, key_positions, key_tokens):
+        documents = (key_tokens == t.END_OF_TEXT).cumsum(-1)
+        same = documents[:, query_positions, None] == documents[:, None, :]
+        return ((key_positions <= query_positions[:, None]) & same)[:, None]
+    monkeypatch.setattr(t, "visible", by_documents)
+    t.visible_is_causal.cache_clear()
+    try:
+        line = one_line_exit(capsys, ["--init_from", str(tmp_path / "log" / "ckpt_2.pt"), "--export_hf",
+                                      str(tmp_path / "hf"), "--log_dir", str(tmp_path / "log")])
+    finally:
+        t.visible_is_causal.cache_clear()  # the next test's file says causal again
+    assert re.fullmatch(r"error: the exported model's logits differ from ours by up to [0-9.e-]+: the model no "
+                        r"longer matches GPT-2's architecture in transformers, so it cannot be exported as GPT-2", line)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]
+
+
 @pytest.mark.parametrize("package, line", [
     ("transformers", "--export_hf needs the transformers library: pip install transformers"),
     ("blobfile", "--export_hf needs blobfile to convert the tokenizer: pip install blobfile"),
