@@ -782,8 +782,9 @@ def check_config(cfg, world_size):
         (cfg.seq_len > cfg.block_size and not (cfg.generate or cfg.export_hf), f"--seq_len "
          f"{cfg.seq_len} is longer than --block_size {cfg.block_size}: lower --seq_len"
          f"{'' if cfg.init_from else ' or raise --block_size'}"),
-        (cfg.vocab_size < GPT2_VOCAB_SIZE, f"--vocab_size {cfg.vocab_size} is smaller than the "
-         f"GPT-2 tokenizer's {GPT2_VOCAB_SIZE} tokens: use at least 50257 (50304 is faster)"),
+        (cfg.vocab_size < GPT2_VOCAB_SIZE and not cfg.init_from, f"--vocab_size {cfg.vocab_size} "
+         f"is smaller than the GPT-2 tokenizer's {GPT2_VOCAB_SIZE} tokens: use at least 50257 "
+         "(50304 is faster)"),
         (cfg.total_batch_size % micro_step_tokens, f"--total_batch_size {cfg.total_batch_size} is "
          f"not divisible by micro_batch_size x seq_len x processes = {cfg.micro_batch_size} x "
          f"{cfg.seq_len} x {world_size} = {micro_step_tokens}: {divide}"),

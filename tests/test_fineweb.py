@@ -638,7 +638,7 @@ def test_an_interrupted_run_leaves_a_folder_the_trainer_refuses(tmp_path):
     assert line == f"error: {corpus} line 2 is not valid JSON"
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [  # 4 of the 4,102 tokens' 5 shards were written
         "INCOMPLETE", "out_train_000001.npy", "out_train_000002.npy", "out_train_000003.npy", "out_val_000000.npy"]
-    with pytest.raises(train_gpt2.ConfigError) as raised:
+    with pytest.raises(train_gpt2.RunError) as raised:
         train_gpt2.find_shards(str(tmp_path / "out"), "val")
     assert str(raised.value) == (f"--data_dir {tmp_path / 'out'} is incomplete (fineweb.py's INCOMPLETE file is "
                                  "there): wait for fineweb.py, or rerun it with --resume")
