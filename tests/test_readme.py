@@ -242,3 +242,25 @@ def test_a_mistake_under_torchrun_prints_what_the_readme_says():
     quoted = [text for text in re.findall(r"`([^`]+)`", paragraph) if text not in ("error: ...", "OMP_NUM_THREADS")]
     assert quoted == ["ChildFailedError", "train_gpt2.py FAILED", "exitcode", "2"]
     assert all(text in result.stderr for text in quoted) and "exitcode  : 2" in result.stderr.split("Root Cause")[1]
+
+
+def test_the_machinery_reads_in_the_order_a_run_calls_it_and_train_needs_few_of_its_names():
+    """After the banner, main() first, then each definition below a definition that uses it (issue 57): the
+    exceptions are RESUME_AUTO (a default argument) and parse_args (called by the __main__ block). train() uses at
+    most 6 names from after the banner."""
+    import ast
+
+    tree, banner = ast.parse(SOURCE), next(i for i, line in enumerate(SOURCE.splitlines(), 1) if line.startswith("# ===="))
+    defs = [(node.lineno, node.name if hasattr(node, "name") else node.targets[0].id, node) for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) or isinstance(node, ast.Assign)
+            and isinstance(node.targets[0], ast.Name)]
+    uses = {name: {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            | {n.attr for n in ast.walk(node) if isinstance(n, ast.Attribute)} for _, name, node in defs}
+    after = [(line, name, node) for line, name, node in defs if line > banner]
+    assert after[0][1] == "RESUME_AUTO" and [name for _, name, node in after if isinstance(node, ast.FunctionDef)][0] == "main"
+    above_their_users = [name for line, name, node in after if not name.endswith("Error") and name != "main"
+                         and not any(name in uses[user] for other, user, _ in defs if other < line)]
+    assert above_their_users == ["RESUME_AUTO", "parse_args"]
+    train = next(node for _, name, node in defs if name == "train")
+    trains_with = sorted({name for _, name, _ in after} & {n.id for n in ast.walk(train) if isinstance(n, ast.Name)})
+    assert len(trains_with) <= 6, trains_with
