@@ -341,8 +341,7 @@ def configure_optimizers(model: GPT, cfg: "TrainConfig", fused: bool, sharded=Fa
 
 
 # ------------------------------ training
-# the published GPT-2 models: 124M, 350M, 774M, 1558M parameters
-MODEL_SHAPES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+MODEL_SHAPES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M; then 350M, 774M, 1558M
                 "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
                 "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
                 "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600)}
