@@ -843,7 +843,7 @@ def device_settings(cfg, launch) -> tuple[TrainConfig, list[str]]:
         "bfloat16" if bf16 else "float16")
     if gpu and dtype == "bfloat16" and not bf16:
         raise RunError(f"--dtype bfloat16: {card} (compute capability {major}.{minor}) has no "
-                          "bfloat16 arithmetic: use --dtype float16")
+                       "bfloat16 arithmetic: use --dtype float16")
     auto = cfg.compile is None and not cfg.generate  # compiling outlasts --generate
     compile = gpu and not blocker if auto else bool(cfg.compile)  # on CUDA
     if compile and blocker:
@@ -870,19 +870,19 @@ def pick_device(requested, launch, gpu_count, mps_available):
     kind, _, index = requested.partition(":")
     if kind == "cuda" and not gpu_count or kind == "mps" and not mps_available:
         raise RunError(f"--device {requested} is not available on this machine: use --device "
-                          "auto or cpu")
+                       "auto or cpu")
     if kind == "cuda" and launch.torchrun and index and launch.world_size > 1:
         raise RunError(f"--device {requested} names one GPU for {launch.world_size} processes: "
-                          "use --device cuda")
+                       "use --device cuda")
     if kind == "cuda" and launch.torchrun and not index:  # one GPU per process
         if launch.local_world_size > gpu_count:
             raise RunError(f"{launch.local_world_size} processes on this machine, which has "
-                              f"{gpu_count} GPU(s): start one process a GPU "
-                              f"(torchrun --nproc_per_node={gpu_count})")
+                           f"{gpu_count} GPU(s): start one process a GPU "
+                           f"(torchrun --nproc_per_node={gpu_count})")
         return f"cuda:{launch.local_rank}"
     if index and int(index) >= gpu_count:
         raise RunError(f"--device {requested} is not on this machine, which has {gpu_count} "
-                          f"GPU(s), cuda:0 to cuda:{gpu_count - 1}: pick one of those")
+                       f"GPU(s), cuda:0 to cuda:{gpu_count - 1}: pick one of those")
     return "cuda:0" if requested == "cuda" else requested  # torch.cuda.set_device needs an index
 
 
@@ -894,8 +894,8 @@ def check_kernels(card, major, minor, arch_list: list[str]):
             return
     if torch.version.hip is None:  # cu126: 5.0 to 9.0; cu130: 7.5 up
         raise RunError(f"{card} (compute capability {major}.{minor}) has no kernels in torch "
-                          f"{torch.__version__}, built for {' '.join(arch_list)}: pip install "
-                          "torch --index-url https://download.pytorch.org/whl/cu126")
+                       f"{torch.__version__}, built for {' '.join(arch_list)}: pip install "
+                       "torch --index-url https://download.pytorch.org/whl/cu126")
 
 
 def compile_blocker(major, minor, environ):
@@ -927,7 +927,7 @@ def check_same_command(cfg, problem: RunError | None, launch):
                  for rank, flags in parsed[1:] if flags[name] != value]
     if differing:
         raise RunError("the processes were started with different flags "
-                          f"({', '.join(differing)}): start every machine with the same command")
+                       f"({', '.join(differing)}): start every machine with the same command")
     raise_first_problem([problem for problem, _ in reports])
 
 
@@ -1125,8 +1125,8 @@ def read_inputs_and_open_log(cfg, launch, log) -> "Inputs":
                    launch)
     if len(set(found)) > 1:
         raise RunError(f"the ranks found different data or checkpoints ((train tokens, val "
-                          f"tokens, checkpoint step) on each: {found}): give every machine the "
-                          "same shards and a shared --log_dir")
+                       f"tokens, checkpoint step) on each: {found}): give every machine the "
+                       "same shards and a shared --log_dir")
     on_every_rank(launch, lambda: launch.rank == 0 and open_log_dir(cfg, log, inputs.checkpoint))
     return inputs
 
@@ -1144,8 +1144,8 @@ def on_every_rank(launch, work):
 def read_inputs(cfg, launch, log) -> "Inputs":
     if (earlier := checkpoint_paths(cfg.log_dir)) and not cfg.resume:  # --resume auto takes them
         raise RunError(f"--log_dir {cfg.log_dir} holds an earlier run's checkpoints "
-                          f"({os.path.basename(earlier[0])}): continue it with --resume auto, "
-                          "or pass another --log_dir")
+                       f"({os.path.basename(earlier[0])}): continue it with --resume auto, "
+                       "or pass another --log_dir")
     checkpoint = find_resume_checkpoint(cfg, log.info)
     model_config, weights = initial_weights(cfg)  # before the data's download
     if checkpoint is not None:
@@ -1167,7 +1167,7 @@ def open_log_dir(cfg, log, checkpoint):
     except OSError as error:
         why = "it is a file" if os.path.isfile(cfg.log_dir) else error.strerror
         raise RunError(f"cannot make --log_dir {cfg.log_dir} ({why}): give a folder you can "
-                          "write to") from None
+                       "write to") from None
     log.begin(checkpoint and checkpoint["step"])
     remove_killed_writes(cfg.log_dir)
 
@@ -1212,7 +1212,7 @@ def load_checkpoint(path, flag="--resume"):
     checksum = Path(f"{path}.sha256")
     if checksum.exists() and checksum.read_text().strip() != file_sha256(path):
         raise RunError(f"checkpoint {path} is corrupt (its sha256 differs from {checksum}): "
-                          "resume from an older checkpoint")
+                       "resume from an older checkpoint")
     try:  # the GPU may lack room beside the model
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # a cut or foreign file fails in many ways
@@ -1259,7 +1259,7 @@ def checkpoint_model_config(checkpoint, cfg) -> GPTConfig:
     saved, known = checkpoint["model_config"], {f.name for f in dataclasses.fields(GPTConfig)}
     if unknown := [name for name in saved if name not in known and not hasattr(cfg, name)]:
         raise RunError(f"{checkpoint['path']} holds model field(s) {', '.join(unknown)} that "
-                          "GPTConfig lacks: add them to GPTConfig, or use the code that wrote it")
+                       "GPTConfig lacks: add them to GPTConfig, or use the code that wrote it")
     return GPTConfig(**{**{k: v for k, v in saved.items() if k in known}, "dropout": cfg.dropout})
 
 
@@ -1275,7 +1275,7 @@ def load_openai_weights(name):
         return state_from_openai(load(name).state_dict())
     except OSError as error:
         raise RunError(f"cannot download {name} from {ENDPOINT} ({str(error).splitlines()[0]}): "
-                          "connect to the network, or give a checkpoint") from None
+                       "connect to the network, or give a checkpoint") from None
 
 
 def import_transformers(flag):
@@ -1314,8 +1314,8 @@ def check_weights_fit(weights: dict, model_config: GPTConfig, source, flag):
     if problems:
         more = f" and {len(problems) - 3} more" if len(problems) > 3 else ""
         raise RunError(f"{flag} {source} does not fit this model ({'; '.join(problems[:3])}"
-                          f"{more}): the model's code changed since it was saved; start a new "
-                          "run, or use the code that wrote it")
+                       f"{more}): the model's code changed since it was saved; start a new "
+                       "run, or use the code that wrote it")
 
 
 def check_resumable(checkpoint: dict, cfg, model_config: GPTConfig):
@@ -1327,12 +1327,12 @@ def check_resumable(checkpoint: dict, cfg, model_config: GPTConfig):
                   if checkpoint["config"][name] != getattr(cfg, name)]
     if differing:
         raise RunError(f"cannot resume from {checkpoint['path']}: {', '.join(differing)} (they "
-                          "define its weights, schedule and data position): use its values")
+                       "define its weights, schedule and data position): use its values")
     if (trained_with := checkpoint["config"]["optimizer"]) != cfg.optimizer:
         raise RunError(f"cannot resume from {checkpoint['path']} with --optimizer "
-                          f"{cfg.optimizer}: it holds {trained_with}'s state; resume with "
-                          f"--optimizer {trained_with}, or start a new run from its weights with "
-                          f"--init_from {checkpoint['path']}")
+                       f"{cfg.optimizer}: it holds {trained_with}'s state; resume with "
+                       f"--optimizer {trained_with}, or start a new run from its weights with "
+                       f"--init_from {checkpoint['path']}")
     check_weights_fit(checkpoint["model"], model_config, checkpoint["path"], "--resume")
 
 
@@ -1354,7 +1354,7 @@ def open_token_streams(cfg, with_val) -> tuple[TokenStream, TokenStream | None]:
         held = stream and max(0, stream.num_tokens - 1) // T  # DataLoader's windows
         if stream and held < windows:
             raise RunError(f"the {name} data holds {stream.num_tokens:,} tokens, {held:,} "
-                              f"windows of {T} + 1, but {need} needs {windows:,}: {fix}")
+                           f"windows of {T} + 1, but {need} needs {windows:,}: {fix}")
     return streams[0], streams[1] if with_val else None
 
 TEXT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "input.txt")
@@ -1401,7 +1401,7 @@ def failed_write_is_one_line(path, then=RESUME_AUTO):
         if cause is None:
             raise
         raise RunError(f"cannot write {path} ({cause.strerror or cause}): make room in "
-                          f"{os.path.dirname(path) or '.'}, then {then}") from None
+                       f"{os.path.dirname(path) or '.'}, then {then}") from None
 
 
 def load_token_streams(cfg) -> tuple[TokenStream, TokenStream]:
@@ -1438,13 +1438,13 @@ class CheckedTokenStream(TokenStream):
 def find_shards(data_dir, split):
     if not os.path.isdir(data_dir):
         raise RunError(f"--data_dir {data_dir} is not a folder: run fineweb.py to make shards, "
-                          "or fix the path")
+                       "or fix the path")
     if os.path.exists(os.path.join(data_dir, "INCOMPLETE")):  # fineweb.py's, until done
         raise RunError(f"--data_dir {data_dir} is incomplete (fineweb.py's INCOMPLETE file is "
-                          "there): wait for fineweb.py, or rerun it with --resume")
+                       "there): wait for fineweb.py, or rerun it with --resume")
     if not (paths := sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.npy")))):
         raise RunError(f"no {split} shards (*_{split}_*.npy) in --data_dir {data_dir}: "
-                          "run fineweb.py to make them")
+                       "run fineweb.py to make them")
     return paths
 
 
@@ -1457,10 +1457,10 @@ def open_shard(path):
             from None
     except (ValueError, EOFError):  # no .npy header: numpy calls it "pickled data"
         raise RunError(f"cannot read shard {path}: it is not a .npy file (empty, cut short or "
-                          "another format): delete it and rerun fineweb.py") from None
+                       "another format): delete it and rerun fineweb.py") from None
     if tokens.dtype != np.uint16 or tokens.ndim != 1 or len(tokens) < 1:
         raise RunError(f"shard {path} holds {tokens.dtype} of shape {tokens.shape}, not a 1-D "
-                          "uint16 array of tokens: rerun fineweb.py")
+                       "uint16 array of tokens: rerun fineweb.py")
     return tokens
 
 
@@ -1469,7 +1469,7 @@ def read_text_tokens(path):
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise RunError(f"--text_file {path} does not exist: give a text file, or --data_dir "
-                          "with fineweb.py's shards") from None
+                       "with fineweb.py's shards") from None
     except (OSError, UnicodeDecodeError) as error:
         reason = (error.strerror if isinstance(error, OSError)
                   else f"not UTF-8: {error.reason} at byte {error.start}")
@@ -1484,8 +1484,8 @@ def gpt2_tokenizer():
         return tiktoken.get_encoding("gpt2")
     except (OSError, ValueError) as error:  # offline; a damaged file
         raise RunError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
-                          "downloads its two files once; connect to the network, or set "
-                          "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
+                       "downloads its two files once; connect to the network, or set "
+                       "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
 
 
 def open_hellaswag(cfg, launch, block_size):
@@ -1498,8 +1498,8 @@ def open_hellaswag(cfg, launch, block_size):
     if (longest := max((tokens.size(1) for tokens, _, _ in rendered), default=0)) > block_size:
         fix = "" if cfg.eval_only else ", or drop --hellaswag_every"
         raise RunError(f"the longest HellaSwag example in {path} takes {longest} tokens, more "
-                          f"than the model's block_size of {block_size}: HellaSwag needs "
-                          f"--block_size {longest} or more{fix}")
+                       f"than the model's block_size of {block_size}: HellaSwag needs "
+                       f"--block_size {longest} or more{fix}")
     return pack_hellaswag(rendered, min(8192, cfg.micro_batch_size * cfg.seq_len))  # padding too
 
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
@@ -1520,7 +1520,7 @@ def read_hellaswag(path):
                 valid = False
             if not valid:
                 raise RunError(f"{path} line {line_number} is not a HellaSwag record (ctx, "
-                                  "4 endings, label 0-3)")
+                               "4 endings, label 0-3)")
             examples.append(example)
     if not examples:
         raise RunError(f"{path} holds no HellaSwag records: give hellaswag_val.jsonl's path")
@@ -1601,8 +1601,8 @@ def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir):
     go_back = (f"go on from {saved[0]} (--resume {saved[0]}), or an older checkpoint if the loss "
                "was rising there already," if saved else "start again")
     raise RunError(f"training diverged at step {step}: loss {train_loss:.4g}, gradient norm "
-                      f"{grad_norm:.4g}; nothing was saved from this step: {go_back} with a lower "
-                      "--max_lr or more --warmup_steps")
+                   f"{grad_norm:.4g}; nothing was saved from this step: {go_back} with a lower "
+                   "--max_lr or more --warmup_steps")
 
 
 def stop_or_fail_together(signalled, sources: list, launch, device):
@@ -1778,7 +1778,7 @@ def export_hf(cfg):
         import blobfile  # noqa: F401 (the tokenizer's converter uses it)
     except ImportError:
         raise RunError("--export_hf needs blobfile to convert the tokenizer: pip install "
-                          "blobfile") from None
+                       "blobfile") from None
     from safetensors import SafetensorError
     from transformers.integrations.tiktoken import convert_tiktoken_to_fast
     model_config, state = initial_weights(cfg)
@@ -1792,7 +1792,7 @@ def export_hf(cfg):
         shapes = [tuple(s[name].shape) if name in s else "absent" for s in (ours, gpt2)]
         if shapes[0] != shapes[1]:
             raise RunError(f"cannot export {cfg.init_from} as GPT-2: its {name} is "
-                              f"{shapes[0]}, GPT-2's is {shapes[1]}")
+                           f"{shapes[0]}, GPT-2's is {shapes[1]}")
     hf_model.load_state_dict(ours)
 
     def write(folder):
@@ -1829,8 +1829,8 @@ def check_export(exported, model_config: GPTConfig, state):
         difference = (exported.eval()(tokens).logits - expected).abs().max().item()
     if difference > 1e-4 * max(1.0, expected.abs().max().item()):
         raise RunError(f"the exported model's logits differ from ours by up to "
-                          f"{difference:.3g}: the model no longer matches GPT-2's architecture in "
-                          "transformers, so it cannot be exported as GPT-2")
+                       f"{difference:.3g}: the model no longer matches GPT-2's architecture in "
+                       "transformers, so it cannot be exported as GPT-2")
 
 
 if __name__ == "__main__":
