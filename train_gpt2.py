@@ -9,17 +9,23 @@ schedule, the training config and train(), evaluation and sampling. Then the mac
 
 import collections
 import contextlib
+import dataclasses
 import datetime
 import functools
+import glob
+import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 GPT2_VOCAB_SIZE = 50257  # the GPT-2 tokenizer's tokens
@@ -140,15 +146,11 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx, targets=None):
-        """idx (B, T) -> logits (B, T, vocab_size), and the mean loss against targets (B, T) or
-        None. With loss_chunk_size the logits are never whole: None."""
+        """idx (B, T) -> (logits (B, T, vocab_size), None); with targets (B, T): (None, the mean
+        loss). A loss that adds terms adds them here: validation and HellaSwag score the logits'
+        cross_entropy alone."""
         x = self.hidden_states(idx)
-        if targets is None:
-            return self.logits(x), None
-        if self.loss_chunk_size:
-            return None, self.chunked_loss(x, targets)
-        logits = self.logits(x)  # float32 below: a softmax over 50k needs the precision
-        return logits, F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return (self.logits(x), None) if targets is None else (None, self.cross_entropy(x, targets))
 
     def hidden_states(self, idx, caches: list | None = None, positions=None):
         """idx (B, T) at positions (T,), default 0 to T - 1, -> (B, T, n_embd) for logits()."""
@@ -169,15 +171,20 @@ class GPT(nn.Module):
         """(..., n_embd) -> (..., vocab_size): the loss, HellaSwag and sampling all come here."""
         return self.lm_head(x)
 
-    def chunked_loss(self, x, targets):
-        """forward's loss a slice of loss_chunk_size tokens at a time, each slice's logits made
-        again in backward: no full float32 logits (12.3 GiB at 64 x 1024)."""
-        def summed_loss(x, targets):  # summed: the last slice may be shorter
-            return F.cross_entropy(self.logits(x).float(), targets, reduction="sum")
-        x, targets = x.flatten(0, 1), targets.flatten()
-        slices = zip(*(t.split(self.loss_chunk_size) for t in (x, targets)), strict=True)
-        return sum(torch.utils.checkpoint.checkpoint(summed_loss, *pair, use_reentrant=False)
-                   for pair in slices) / len(targets)
+    def cross_entropy(self, x, targets, reduction="mean"):
+        """The logits' cross-entropy of hidden states x (..., n_embd) against targets (...), in
+        float32 (a softmax over 50k needs it): the mean, or each token's (reduction "none").
+        loss_chunk_size: that many tokens at a time, each slice's logits made again in backward,
+        so the float32 logits are never whole (12.3 GiB at 64 x 1024)."""
+        def losses(x, targets, reduction=reduction):
+            return F.cross_entropy(self.logits(x).float(), targets, reduction=reduction)
+        x, targets = x.flatten(0, -2), targets.flatten()
+        if not self.loss_chunk_size:
+            return losses(x, targets)
+        slices = zip(x.split(self.loss_chunk_size), targets.split(self.loss_chunk_size))
+        per_token = torch.cat([torch.utils.checkpoint.checkpoint(
+            losses, *pair, "none", use_reentrant=False) for pair in slices])
+        return per_token.mean() if reduction == "mean" else per_token
 
 
 class KVCache:
@@ -275,6 +282,12 @@ class Launch:
     local_world_size: int = 1  # processes on this machine
 
 
+def launch_from_env(environ) -> Launch:
+    """torchrun's variables, read here alone: everything else is handed the Launch."""
+    return Launch(int(environ["RANK"]), int(environ["LOCAL_RANK"]), int(environ["WORLD_SIZE"]),
+                  True, int(environ["LOCAL_WORLD_SIZE"])) if "RANK" in environ else Launch()
+
+
 def init_distributed(launch: Launch, device: str):
     """Under torchrun, join the process group: gloo for CPU tensors, NCCL for CUDA's."""
     if device.startswith("cuda"):
@@ -294,6 +307,14 @@ def all_reduce_mean(value: torch.Tensor, launch: Launch) -> torch.Tensor:
     return value / launch.world_size
 
 
+def gather(value, launch: Launch) -> list:
+    """Every rank's value (any picklable), in rank order, on every rank."""
+    values = [value] * launch.world_size
+    if launch.torchrun:
+        dist.all_gather_object(values, value)
+    return values
+
+
 # ------------------------------ optimizer and schedule
 def grad_accum_steps(cfg: "TrainConfig", world_size: int) -> int:
     """Micro-steps a step: a step is the same tokens however many processes share it."""
@@ -310,8 +331,6 @@ def lr_at(step: int, cfg: "TrainConfig") -> float:
         return min_lr
     progress = (step - cfg.warmup_steps) / (cfg.max_steps - cfg.warmup_steps)  # 0 -> 1
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
-
-
 def configure_optimizers(model: GPT, cfg: "TrainConfig", fused: bool, sharded=False) -> list:
     """AdamW; --optimizer muon: Muon for the blocks' matrices, AdamW for the rest. sharded: each
     optimizer's state split over the processes (ZeRO-1)."""
@@ -412,6 +431,25 @@ class TrainConfig:
     resume: str = flag("", "checkpoint to go on from; auto: the newest in --log_dir", "checkpoints")
 
 
+
+def machine_choices(cfg: TrainConfig, launch: Launch) -> TrainConfig:
+    """cfg with "auto" made plain: this process's GPU, else Apple's, else the CPU; bfloat16 where
+    the GPU computes in it (compute capability 8.0+), float16 with a loss scaler where it does
+    not, float32 elsewhere; compile on CUDA."""
+    device = cfg.device if cfg.device != "auto" else (
+        "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available()
+        else "cpu")
+    device = f"cuda:{launch.local_rank}" if device == "cuda" else device  # one GPU a process
+    gpu = device.startswith("cuda")
+    if gpu:  # float32 matmuls in TF32: 10 bits of mantissa, on tensor cores (A100 and later)
+        torch.set_float32_matmul_precision("high")
+    bf16 = gpu and (torch.cuda.get_device_capability(device)[0] >= 8 or bool(torch.version.hip))
+    dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if bf16 else (
+        "float16" if gpu else "float32")
+    return dataclasses.replace(cfg, device=device, dtype=dtype,
+                               compile=gpu if cfg.compile is None else cfg.compile)
+
+
 def autocast_for(dtype: str, device: str):
     """autocast() runs matmuls in dtype (bfloat16: tensor cores, half the memory traffic), keeps
     softmax and the loss in float32; float32: off (CUDA runs its matmuls in TF32)."""
@@ -423,8 +461,8 @@ def is_due(every: int, steps_done: int, last_step: bool) -> bool:
     return bool(every) and (steps_done % every == 0 or last_step)
 
 
-# what train() returns: the plain model (no DDP or compile wrapper), and what rank 0 logged
-TrainResult = collections.namedtuple("TrainResult", ["model", "records"])
+def count_parameters(model: nn.Module):
+    return sum(p.numel() for p in model.parameters())  # the tied matrix once
 
 
 def build_model(cfg: TrainConfig, model_config: GPTConfig, weights: dict | None, device) -> GPT:
@@ -436,39 +474,197 @@ def build_model(cfg: TrainConfig, model_config: GPTConfig, weights: dict | None,
     return model
 
 
-def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict, notes=()):
-    """Build the model, the data and the optimizer, then train: every rank runs this."""
-    log = MetricsLog(cfg.log_dir, launch.rank == 0, cfg.tensorboard)
-    inputs = read_inputs_and_open_log(cfg, launch, log)  # a problem on any rank stops all
+def rng_states(device):
+    """torch's generators; on CUDA this GPU's only (a new machine may have fewer)."""
+    return {"torch_cpu": torch.get_rng_state(),
+            "torch_cuda": [torch.cuda.get_rng_state(device)] if device.startswith("cuda") else []}
+
+
+def restore_rng_states(states, device):
+    torch.set_rng_state(states["torch_cpu"])
+    if states["torch_cuda"] and device.startswith("cuda"):
+        torch.cuda.set_rng_state(states["torch_cuda"][0], device)
+
+
+# what train() reads before step 0; weights: --init_from's (None: new), hellaswag: this rank's
+Inputs = collections.namedtuple("Inputs", ["model_config", "weights", "train_tokens", "val_tokens",
+                                           "checkpoint", "hellaswag", "tokenizer"])
+# what train() returns: the plain model (no DDP or compile wrapper), and what rank 0 logged
+TrainResult = collections.namedtuple("TrainResult", ["model", "records"])
+TEXT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "input.txt")
+
+
+class Run:
+    """What train() reads and writes besides the model: its inputs, the log, checkpoints, and a
+    request to stop. Plain here, a whole trainer; main() hands train() a subclass (after the
+    banner) that checks each input on every rank, fetches what is missing, writes files whole,
+    logs to metrics.jsonl, catches signals and stops every rank together."""
+
+    def __init__(self, cfg: TrainConfig, launch: Launch | None = None):
+        self.launch = launch or launch_from_env(os.environ)
+        self.cfg, self.records = machine_choices(cfg, self.launch), []
+        self.owns_group = self.launch.torchrun and not dist.is_initialized()
+        if self.owns_group:  # else main() has joined it
+            init_distributed(self.launch, self.cfg.device)
+
+    def read_inputs(self) -> Inputs:
+        cfg = self.cfg
+        checkpoint = self.load_checkpoint(cfg.resume) if cfg.resume else None
+        return Inputs(*self.initial_weights(), *self.token_streams(), checkpoint,
+                      self.hellaswag() if cfg.hellaswag_every else [],
+                      self.tokenizer() if cfg.sample_every else None)
+
+    def initial_weights(self) -> tuple[GPTConfig, dict | None]:
+        """A new model's shape, from the flags; or --init_from's shape (dropout: this run's) and
+        weights."""
+        if not self.cfg.init_from:
+            return GPTConfig(**{name: value for name, value in vars(self.cfg).items()
+                                if name in GPTConfig.__dataclass_fields__}), None
+        saved = self.load_checkpoint(self.cfg.init_from)
+        return GPTConfig(**{**saved["model_config"], "dropout": self.cfg.dropout}), saved["model"]
+
+    @staticmethod
+    def load_checkpoint(path) -> dict:  # mmap: tensors are read from the file as used
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+
+    def token_streams(self) -> tuple[TokenStream, TokenStream]:
+        """(train, val): fineweb.py's shards in --data_dir, or the text file split 90/10."""
+        if self.cfg.data_dir:
+            return tuple(TokenStream([self.open_shard(path) for path in self.shard_paths(split)])
+                         for split in ("train", "val"))
+        tokens = self.text_tokens(self.cfg.text_file or TEXT_FILE)
+        split = len(tokens) * 9 // 10
+        return TokenStream([tokens[:split]]), TokenStream([tokens[split:]])
+
+    def shard_paths(self, split) -> list[str]:  # "train" or "val"
+        return sorted(glob.glob(os.path.join(self.cfg.data_dir, f"*_{split}_*.npy")))
+
+    def open_shard(self, path) -> np.ndarray:  # mapped: a batch reads the pages it touches
+        return np.load(path, mmap_mode="r")
+
+    def text_tokens(self, path) -> np.ndarray:
+        text = Path(path).read_text(encoding="utf-8")
+        return np.array(self.tokenizer().encode_ordinary(text), dtype=np.uint16)
+
+    @staticmethod
+    def tokenizer():
+        import tiktoken  # here: importing this file does no work
+        return tiktoken.get_encoding("gpt2")
+
+    def hellaswag(self) -> list[tuple]:  # this rank's share of the examples, in batches
+        tokenizer, rank, world_size = self.tokenizer(), self.launch.rank, self.launch.world_size
+        return pack_hellaswag([render_hellaswag(example, tokenizer)
+                               for example in self.hellaswag_examples()[rank::world_size]],
+                              min(8192, self.cfg.micro_batch_size * self.cfg.seq_len))
+
+    def hellaswag_examples(self) -> list[dict]:  # each: "ctx", 4 "endings", the right "label"
+        lines = Path(self.cfg.hellaswag_path).read_text(encoding="utf-8").splitlines()
+        return [json.loads(line) for line in lines]
+
+    def restore(self, checkpoint, model, optimizers, scaler, loader) -> int:
+        """Go on exactly: weights, optimizer state, data position, this rank's RNG; its step."""
+        model.load_state_dict(checkpoint["model"])
+        for optimizer, state in zip(optimizers, checkpoint["optimizer"], strict=True):
+            optimizer.load_state_dict(state)
+        if checkpoint["scaler"]:
+            scaler.load_state_dict(checkpoint["scaler"])
+        loader.windows_consumed = checkpoint["windows_consumed"]
+        if self.launch.rank < len(checkpoint["rng"]):  # a new rank keeps its seed
+            restore_rng_states(checkpoint["rng"][self.launch.rank], self.cfg.device)
+        self.info(f"resumed from step {checkpoint['step']} ({loader.windows_consumed:,} windows "
+                  "into the data)")
+        return checkpoint["step"]
+
+    def checkpoint_state(self, model, optimizers, scaler, loader, steps_done) -> dict | None:
+        """What a checkpoint holds, on rank 0 (None elsewhere): enough to go on exactly."""
+        if self.cfg.shard_optimizer and self.launch.world_size > 1:
+            for optimizer in optimizers:
+                optimizer.consolidate_state_dict(to=0)  # each rank sends its share
+        rng = gather(rng_states(self.cfg.device), self.launch)  # every rank's
+        return {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+                "optimizer": [optimizer.state_dict() for optimizer in optimizers], "rng": rng,
+                "scaler": scaler.state_dict(), "config": dataclasses.asdict(self.cfg),
+                "step": steps_done, "windows_consumed": loader.windows_consumed,
+                "train_tokens": loader.stream.num_tokens} if self.launch.rank == 0 else None
+
+    def write_checkpoint(self, state: dict | None, steps_done):
+        if state is not None:
+            os.makedirs(self.cfg.log_dir, exist_ok=True)
+            torch.save(state, os.path.join(self.cfg.log_dir, f"ckpt_{steps_done}.pt"))
+
+    def start(self, model, accum_steps, loader):  # the machinery's names every choice made
+        self.info(f"{count_parameters(model):,} parameters, {accum_steps} micro-steps a step")
+
+    def info(self, line):
+        if self.launch.rank == 0:
+            print(line, flush=True)
+
+    def log(self, record: dict, line: str):
+        """Figures (a step's, an evaluation's) and their line: rank 0 keeps and prints them."""
+        if self.launch.rank == 0:
+            self.records.append(record)
+            self.info(line)
+
+    def log_step(self, step, loss, lr, grad_norm, ms, loader):
+        tokens_per_s = self.cfg.total_batch_size * 1000 / ms
+        self.log({"step": step, "train_loss": loss, "lr": lr, "grad_norm": grad_norm, "ms": ms,
+                  "tokens_per_s": tokens_per_s}, f"step {step:5d}/{self.cfg.max_steps} | loss "
+                 f"{loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | {ms:.0f} ms | "
+                 f"{tokens_per_s:,.0f} tok/s")
+
+    def log_scores(self, step, scores: dict):  # after step (-1: before training)
+        self.log({"step": step, **scores}, f"step {step:5d}/{self.cfg.max_steps} | " + (
+            f"val loss {scores['val_loss']:.6f}" if "val_loss" in scores else "HellaSwag acc_norm "
+            f"{scores['hellaswag_acc_norm']:.4f} (acc {scores['hellaswag_acc']:.4f})"))
+
+    def diverged(self, step, loss, grad_norm):
+        raise FloatingPointError(f"training diverged at step {step}: loss {loss:.4g}, gradient "
+                                 f"norm {grad_norm:.4g}")
+
+    def stop_requested(self) -> bool:
+        return False  # the machinery's: a signal or a failed write, on any rank
+
+    def stopped(self, step, reason):
+        self.info(f"stopped by {reason} after step {step}, checkpoint {self.cfg.log_dir}/ckpt_"
+                  f"{step + 1}.pt written")
+
+    def finish(self, start_step):
+        if self.owns_group:
+            dist.destroy_process_group()
+
+
+def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
+    """Build the model, the data and the optimizer, then train: every rank runs this. run reads
+    the inputs and writes the log and checkpoints: a plain Run, or main()'s hardened one."""
+    run = run or Run(cfg)
+    cfg, launch, device = run.cfg, run.launch, run.cfg.device
+    inputs = run.read_inputs()
     raw_model = build_model(cfg, inputs.model_config, inputs.weights, device)
     # model trains; raw_model is saved, sampled, scored. Compiled: fused kernels, fewer trips to
     # memory. DDP: each process a copy; gradients averaged over processes during backward
     model = torch.compile(raw_model) if cfg.compile else raw_model
     if launch.torchrun:
-        device_ids = [torch.device(device).index] if device.startswith("cuda") else None
-        model = DDP(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        model = DDP(model, gradient_as_bucket_view=True)
 
     B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
     train_loader = DataLoader(inputs.train_tokens, batch_size=B, seq_len=T, rank=launch.rank,
                               world_size=W, shuffle=cfg.shuffle, seed=cfg.seed)
-    # in order from its start each time: every evaluation scores the same tokens
-    val_loader = DataLoader(inputs.val_tokens, batch_size=B, seq_len=T, rank=launch.rank,
-                            world_size=W, shuffle=False, seed=cfg.seed) if cfg.eval_every else None
+    val_loader = validation_loader(inputs.val_tokens, cfg, launch) if cfg.eval_every else None
 
     optimizers = configure_optimizers(raw_model, cfg, fused=device.startswith("cuda"),
                                       sharded=cfg.shard_optimizer and W > 1)
     # float16's narrow range: small gradients underflow unless the loss is scaled; bfloat16's not
     scaler = torch.amp.GradScaler(device.split(":")[0], enabled=cfg.dtype == "float16")
     torch.manual_seed(cfg.seed + launch.rank)  # dropout: each rank its own masks
-    start_step = restore_checkpoint(inputs.checkpoint, cfg, raw_model, optimizers, scaler,
-                                    train_loader, device, log)
+    start_step = (run.restore(inputs.checkpoint, raw_model, optimizers, scaler, train_loader)
+                  if inputs.checkpoint else 0)
     autocast, accum_steps = autocast_for(cfg.dtype, device), grad_accum_steps(cfg, W)
-    log.start(notes, cfg, device, W, raw_model, accum_steps, train_loader)
+    run.start(raw_model, accum_steps, train_loader)
     if start_step == 0:  # a new run: the val loss "after step -1" is the curve's first point;
         # HellaSwag and sampling run once too, so that a broken edit fails before step 0
         if cfg.eval_every:
-            log.evaluation(-1, cfg.max_steps, {"val_loss": estimate_val_loss(
-                model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
+            run.log_scores(-1, {"val_loss": estimate_val_loss(
+                raw_model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
         if cfg.hellaswag_every:
             evaluate_hellaswag(raw_model, inputs.hellaswag[:1], device, autocast, launch)
         if cfg.sample_every and launch.rank == 0:  # 2 tokens: the prompt's pass and a step
@@ -484,8 +680,8 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict, note
             # DDP all-reduces the gradients in the last micro-step only: once a step
             sync = micro_step == accum_steps - 1 or not launch.torchrun
             with contextlib.nullcontext() if sync else model.no_sync():
-                with autocast():  # [1]: the loss; the returned logits freed now, not in backward
-                    micro_loss = model(x, y)[1]
+                with autocast():
+                    micro_loss = model(x, y)[1]  # (logits, loss): the logits were never kept
                 # gradients add up over micro-steps: each loss / accum_steps makes their sum the
                 # gradient of the step's mean loss, as one big batch would give
                 micro_loss = micro_loss / accum_steps
@@ -503,37 +699,42 @@ def train(cfg: TrainConfig, launch: Launch, device: str, stop_signal: dict, note
             scaler.step(optimizer)
         scaler.update()
         loss, grad_norm = loss.item(), grad_norm.item()  # the step's one wait for the device
-        elapsed_ms = (time.perf_counter() - started) * 1000
+        run.log_step(step, loss, lr, grad_norm, (time.perf_counter() - started) * 1000,
+                     train_loader)
+        # every rank holds the same loss and norm: all stop (float16's scaler skips inf norms)
+        if not math.isfinite(loss) or not (math.isfinite(grad_norm) or scaler.is_enabled()):
+            run.diverged(step, loss, grad_norm)  # raises, saving nothing from this step
 
-        # the rest is bookkeeping: log, evaluate, checkpoint, sample
-        # a loss or norm not finite stops the run here: every rank holds the same, all stop
-        log.train_step(step, cfg, loss, lr, grad_norm, elapsed_ms, train_loader)
+        # the rest is bookkeeping: evaluate, checkpoint, sample
         steps_done, last_step = step + 1, step + 1 == cfg.max_steps
         if is_due(cfg.eval_every, steps_done, last_step):
-            log.evaluation(step, cfg.max_steps, {"val_loss": estimate_val_loss(
-                model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
+            run.log_scores(step, {"val_loss": estimate_val_loss(
+                raw_model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
         if is_due(cfg.hellaswag_every, steps_done, last_step):
-            log.evaluation(step, cfg.max_steps, evaluate_hellaswag(
-                raw_model, inputs.hellaswag, device, autocast, launch))
-        sources = [train_loader.stream, val_loader and val_loader.stream, log]  # what may fail
-        stop = stop_or_fail_together(stop_signal["requested"], sources, launch, device)
+            run.log_scores(step, evaluate_hellaswag(raw_model, inputs.hellaswag, device, autocast,
+                                                    launch))
+        stop = run.stop_requested()  # a signal to any rank stops all (the machinery's)
         pause = steps_done - start_step == cfg.stop_after_steps and not last_step  # the job's end
         if stop or pause or is_due(cfg.ckpt_every, steps_done, last_step):
-            write_checkpoint(cfg, launch, device, raw_model, optimizers, scaler, train_loader,
-                             steps_done)
+            run.write_checkpoint(run.checkpoint_state(raw_model, optimizers, scaler, train_loader,
+                                                      steps_done), steps_done)
         if launch.rank == 0 and is_due(cfg.sample_every, steps_done, last_step):
             print_samples(raw_model, inputs.tokenizer, cfg, autocast,
                           kv_caches(raw_model, cfg.kv_cache))
         if stop or pause:  # the checkpoint was written: say how to go on
-            log.stopped(step, "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}")
+            run.stopped(step, "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}")
             break
-
-    log.summary(start_step, cfg, device)
-    stop_or_fail_together(False, [log], launch, device)  # stops every rank if it was not written
-    return TrainResult(raw_model, log.records)
+    run.finish(start_step)
+    return TrainResult(raw_model, run.records)
 
 
 # ------------------------------ evaluation and sampling
+def validation_loader(stream: TokenStream, cfg: TrainConfig, launch: Launch) -> DataLoader:
+    """In order from its start each time: every evaluation scores the same tokens."""
+    return DataLoader(stream, cfg.micro_batch_size, cfg.seq_len, launch.rank, launch.world_size,
+                      shuffle=False, seed=cfg.seed)
+
+
 @torch.no_grad()
 def estimate_val_loss(model, loader, eval_steps, accum_steps, device, autocast, launch) -> float:
     """Mean loss of the first eval_steps validation steps: the same tokens every time."""
@@ -544,9 +745,7 @@ def estimate_val_loss(model, loader, eval_steps, accum_steps, device, autocast, 
         for _ in range(accum_steps):
             x, y = (to_device(batch, device) for batch in loader.next_batch())
             with autocast():  # the logits' cross-entropy, even if training's loss adds terms
-                logits = model(x)[0]
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-            step_losses[step] += loss / accum_steps
+                step_losses[step] += model.cross_entropy(model.hidden_states(x), y) / accum_steps
     model.train()
     return all_reduce_mean(step_losses, launch).mean().item()
 
@@ -560,9 +759,9 @@ def evaluate_hellaswag(model: GPT, batches: list[tuple], device, autocast, launc
     for batch in batches:  # tokens, mask (4n, L): example i in rows 4i to 4i + 3
         tokens, mask, labels = (to_device(tensor, device) for tensor in batch)
         rows, positions = mask[:, 1:].nonzero(as_tuple=True)  # position i predicts token i + 1
-        with autocast():  # logits for the endings' tokens alone
-            logits = model.logits(model.hidden_states(tokens)[rows, positions])
-        losses = F.cross_entropy(logits.float(), tokens[rows, positions + 1], reduction="none")
+        with autocast():  # the endings' tokens alone
+            losses = model.cross_entropy(model.hidden_states(tokens)[rows, positions],
+                                         tokens[rows, positions + 1], reduction="none")
         summed = torch.zeros(len(tokens), device=device).index_add_(0, rows, losses).view(-1, 4)
         mean = summed / mask[:, 1:].sum(dim=1).view(-1, 4)
         right = [(scores.argmin(dim=1) == labels).sum() for scores in (summed, mean)]
@@ -575,6 +774,29 @@ def evaluate_hellaswag(model: GPT, batches: list[tuple], device, autocast, launc
             "hellaswag_acc_norm": right_norm / total}
 
 
+def render_hellaswag(example: dict, tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """tokens (4, L): context then each ending; mask (4, L): 1 on ending tokens."""
+    context = tokenizer.encode_ordinary(example["ctx"])
+    rows = [context + tokenizer.encode_ordinary(" " + ending) for ending in example["endings"]]
+    tokens = torch.zeros(4, max(len(row) for row in rows), dtype=torch.long)
+    mask = torch.zeros_like(tokens)
+    for i, row in enumerate(rows):
+        tokens[i, : len(row)] = torch.tensor(row)
+        mask[i, len(context) : len(row)] = 1
+    return tokens, mask, int(example["label"])
+
+
+def pack_hellaswag(rendered: list[tuple], max_tokens):
+    """Batches (tokens, mask (4n, L), labels (n,)) of up to max_tokens, shortest first."""
+    groups = []
+    for example in sorted(rendered, key=lambda example: example[0].size(1)):  # longest last
+        if not groups or 4 * (len(groups[-1]) + 1) * example[0].size(1) > max_tokens:
+            groups.append([])
+        groups[-1].append(example)
+    pad = functools.partial(nn.utils.rnn.pad_sequence, batch_first=True)  # to the longest row
+    return [(pad([row for tokens, _, _ in group for row in tokens]),
+             pad([row for _, mask, _ in group for row in mask]),
+             torch.tensor([label for _, _, label in group])) for group in groups]
 def sample_next(model: GPT, idx, caches, positions, noise, temperature: float):
     """(B, 1): the token after idx (B, T) at positions (T,), drawn from the softmax p of the top k
     logits (k: noise's width). argmax(p / E), E (B, k) Exp(1) noise, picks i with probability
@@ -600,7 +822,7 @@ def generate(model: GPT, prompt_tokens: list[int], max_new_tokens: int, caches, 
     generator = torch.Generator(device=device).manual_seed(seed)  # training's RNG untouched
     top_k = min(top_k, model.config.vocab_size, GPT2_VOCAB_SIZE)
     position = torch.tensor([len(context)], device=device)  # the newest token's
-    with autocast():
+    with autocast(), sdpa_kernel(WITHOUT_CUDNN):
         for length in range(len(context), tokens.size(1)):  # tokens so far
             noise = torch.empty(num_samples, top_k, device=device).exponential_(generator=generator)
             if caches is None or length > block_size:  # the last block_size tokens, all again
@@ -617,16 +839,27 @@ def generate(model: GPT, prompt_tokens: list[int], max_new_tokens: int, caches, 
     return tokens[:, len(context) :].tolist()
 
 
+
+# cuDNN's attention would plan anew for each length (the prompt's, each window's): 64 tokens/s
+WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def print_samples(model: GPT, tokenizer, cfg, autocast, caches, next_token=sample_next):
+    """Print (and return) --num_samples continuations of --prompt."""
+    samples = generate(model, tokenizer.encode_ordinary(cfg.prompt), cfg.max_new_tokens, caches,
+                       cfg.num_samples, cfg.temperature, cfg.top_k, cfg.seed, autocast, next_token)
+    texts = [cfg.prompt + tokenizer.decode(sample) for sample in samples]
+    for i, text in enumerate(texts):
+        print(f"sample {i}: {text}", flush=True)
+    return texts
+
+
 # ==== The machinery: nothing below is needed to learn or change the algorithm above. ==========
 # ruff: noqa: E402 (the machinery's own imports)
 import argparse
-import dataclasses
 import difflib
-import glob
 import hashlib
 import importlib.util
-import json
-import os
 import re
 import shutil
 import signal
@@ -637,10 +870,8 @@ import typing
 import urllib.parse
 import urllib.request
 import weakref
-from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 RESUME_AUTO = "run the same command with --resume auto"
@@ -679,7 +910,7 @@ def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str
             result = evaluate_only(cfg, launch, device)
         else:
             with catching_stop_signals() as stop_signal:
-                result = train(cfg, launch, device, stop_signal, notes)
+                result = train(cfg, CheckedRun(cfg, launch, stop_signal, notes))
     except RunError as error:  # on every rank: rank 0 says it
         if launch.rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
@@ -698,11 +929,6 @@ def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str
         dist.barrier()
         dist.destroy_process_group()
     return result
-
-
-def launch_from_env(environ) -> Launch:
-    return Launch(int(environ["RANK"]), int(environ["LOCAL_RANK"]), int(environ["WORLD_SIZE"]),
-                  True, int(environ["LOCAL_WORLD_SIZE"])) if "RANK" in environ else Launch()
 
 
 def parse_args(argv: list[str]) -> TrainConfig:
@@ -743,7 +969,7 @@ def init_from_settings(init_from) -> tuple[dict, dict]:
     if init_from in MODEL_SHAPES:  # OpenAI's
         return {**MODEL_SHAPES[init_from], "block_size": 1024, "vocab_size": GPT2_VOCAB_SIZE}, {}
     with contextlib.suppress(Exception):  # no file, an unreadable one: check_config or loading
-        saved = torch.load(init_from, map_location="cpu", weights_only=True, mmap=True)
+        saved = Run.load_checkpoint(init_from)
         if isinstance(saved, dict):
             return saved["model_config"], saved["config"]
     return {}, {}
@@ -931,18 +1157,21 @@ def check_same_command(cfg, problem: RunError | None, launch):
     raise_first_problem([problem for problem, _ in reports])
 
 
-def gather(value, launch) -> list:
-    values = [value] * launch.world_size
-    if launch.torchrun:
-        dist.all_gather_object(values, value)
-    return values
-
-
 def raise_first_problem(problems: list[str | None]):
     """Raise the lowest rank's problem, if any, on every rank."""
     for rank, problem in enumerate(problems):
         if problem is not None:
             raise RunError(problem if rank == 0 else f"{problem} (on rank {rank})")
+
+
+def on_every_rank(launch, work):
+    """work()'s value; a RunError on any rank is raised on every rank (the lowest rank's)."""
+    try:
+        value, problem = work(), None
+    except RunError as error:
+        value, problem = None, str(error)
+    raise_first_problem(gather(problem, launch))
+    return value
 
 
 @contextlib.contextmanager
@@ -963,19 +1192,175 @@ def catching_stop_signals():
             signal.signal(signum, handler)
 
 
-# ------------------------------ logging
-class MetricsLog:
-    """Rank 0 prints and logs; a failed write stops all ranks at the step's end."""
+# ------------------------------ the hardened run
+class CheckedRun(Run):
+    """The recipe's Run, hardened: each input checked on every rank before any work (a problem on
+    one stops all; rank 0 says it), what is missing fetched, files written whole, metrics.jsonl
+    (and TensorBoard), signals, and a failed write or a bad token stopping all at a step's end."""
 
-    def __init__(self, log_dir, active, tensorboard: bool = False):
-        self.active, self.path = active, os.path.join(log_dir, "metrics.jsonl")
-        self.records, self.problem, self.tensorboard = [], None, tensorboard
-        self.step_ms, self.epoch = [], None
+    def __init__(self, cfg, launch=None, stop_signal=None, notes=()):
+        super().__init__(cfg, launch)
+        self.stop_signal, self.notes, self.step_ms = stop_signal or {"requested": False}, notes, []
+        self.path, self.problem, self.epoch = os.path.join(cfg.log_dir, "metrics.jsonl"), None, 0
 
-    def begin(self, resume_step: int | None):
-        """An empty file, or the records before resume_step."""
-        if not self.active:
-            return
+    def read_inputs(self) -> Inputs:
+        """Every rank reads and checks them, then rank 0 opens the log; any problem stops all."""
+        cfg, launch = self.cfg, self.launch
+
+        def read():
+            if (earlier := checkpoint_paths(cfg.log_dir)) and not cfg.resume:  # auto takes them
+                raise RunError(f"--log_dir {cfg.log_dir} holds an earlier run's checkpoints "
+                               f"({os.path.basename(earlier[0])}): continue it with --resume "
+                               "auto, or pass another --log_dir")
+            inputs = Run.read_inputs(self)
+            check_token_counts(inputs[2:4], cfg, with_val=cfg.eval_every > 0)
+            if inputs.checkpoint is not None:
+                check_resumable(inputs.checkpoint, cfg, inputs.model_config)
+            return inputs
+        self.inputs = inputs = on_every_rank(launch, read)
+        found = gather((inputs.train_tokens.num_tokens, inputs.val_tokens.num_tokens,
+                        inputs.checkpoint and inputs.checkpoint["step"]), launch)
+        if len(set(found)) > 1:
+            raise RunError(f"the ranks found different data or checkpoints ((train tokens, val "
+                           f"tokens, checkpoint step) on each: {found}): give every machine the "
+                           "same shards and a shared --log_dir")
+        on_every_rank(launch, lambda: launch.rank == 0 and self.open_log(inputs.checkpoint))
+        return inputs
+
+    def initial_weights(self):
+        model_config, weights = super().initial_weights()
+        if weights is not None:
+            check_weights_fit(weights, model_config, self.cfg.init_from, "--init_from")
+        return model_config, weights
+
+    def load_checkpoint(self, path):
+        """Checked (read_checkpoint); --init_from gpt2: OpenAI's; --resume auto: the newest that
+        loads, or None."""
+        cfg = self.cfg
+        if path == cfg.init_from and path in MODEL_SHAPES:  # as released
+            return {"model": load_openai_weights(path), "model_config": init_from_settings(path)[0]}
+        if path == cfg.init_from:
+            return read_checkpoint(path, "--init_from")
+        if path != "auto":
+            return read_checkpoint(path)
+        for found in checkpoint_paths(cfg.log_dir):
+            try:
+                return read_checkpoint(found)
+            except RunError as error:
+                self.info(f"warning: skipping {error}")
+        self.info(f"--resume auto: no checkpoint in {cfg.log_dir}, starting from scratch")
+        return None
+
+    def token_streams(self):
+        """Checked: a token beyond GPT-2's stops the run. The text downloaded where none is given."""
+        cfg = self.cfg
+        if not cfg.data_dir and not cfg.text_file and not os.path.exists(TEXT_FILE):
+            download(TINY_SHAKESPEARE_URL, TEXT_FILE,
+                     "put a text file there, or pass --text_file or --data_dir")
+        return [CheckedTokenStream(stream.arrays) for stream in super().token_streams()]
+
+    def shard_paths(self, split):
+        data_dir = self.cfg.data_dir
+        if not os.path.isdir(data_dir):
+            raise RunError(f"--data_dir {data_dir} is not a folder: run fineweb.py to make shards, "
+                           "or fix the path")
+        if os.path.exists(os.path.join(data_dir, "INCOMPLETE")):  # fineweb.py's, until done
+            raise RunError(f"--data_dir {data_dir} is incomplete (fineweb.py's INCOMPLETE file is "
+                           "there): wait for fineweb.py, or rerun it with --resume")
+        if not (paths := super().shard_paths(split)):
+            raise RunError(f"no {split} shards (*_{split}_*.npy) in --data_dir {data_dir}: "
+                           "run fineweb.py to make them")
+        return paths
+
+    def open_shard(self, path):
+        try:
+            tokens = super().open_shard(path)
+        except OSError as error:  # a folder, no permission, a bad disk
+            raise RunError(f"cannot read shard {path} ({error.strerror or error}): check the "
+                           "file") from None
+        except (ValueError, EOFError):  # no .npy header: numpy calls it "pickled data"
+            raise RunError(f"cannot read shard {path}: it is not a .npy file (empty, cut short "
+                           "or another format): delete it and rerun fineweb.py") from None
+        if tokens.dtype != np.uint16 or tokens.ndim != 1 or len(tokens) < 1:
+            raise RunError(f"shard {path} holds {tokens.dtype} of shape {tokens.shape}, not a "
+                           "1-D uint16 array of tokens: rerun fineweb.py")
+        return tokens
+
+    def text_tokens(self, path):
+        try:
+            return super().text_tokens(path)
+        except FileNotFoundError:
+            raise RunError(f"--text_file {path} does not exist: give a text file, or --data_dir "
+                           "with fineweb.py's shards") from None
+        except (OSError, UnicodeDecodeError) as error:
+            reason = (error.strerror if isinstance(error, OSError)
+                      else f"not UTF-8: {error.reason} at byte {error.start}")
+            raise RunError(f"cannot read --text_file {path} ({reason}): give a UTF-8 text "
+                           "file") from None
+
+    def tokenizer(self):
+        return gpt2_tokenizer()
+
+    def hellaswag(self):
+        batches = super().hellaswag()
+        if (longest := max((tokens.size(1) for tokens, _, _ in batches), default=0)) > \
+                self.cfg.block_size:
+            fix = "" if self.cfg.eval_only else ", or drop --hellaswag_every"
+            raise RunError(f"the longest HellaSwag example in {self.hellaswag_file} takes "
+                           f"{longest} tokens, more than the model's block_size of "
+                           f"{self.cfg.block_size}: HellaSwag needs --block_size {longest} or "
+                           f"more{fix}")
+        return batches
+
+    def hellaswag_examples(self):
+        """Downloaded once where no --hellaswag_path is given; each record checked."""
+        self.hellaswag_file = path = self.cfg.hellaswag_path or HELLASWAG_CACHE
+        if not os.path.exists(path):
+            download(HELLASWAG_URL, path, "pass --hellaswag_path with a local copy of it")
+        examples = []
+        for line_number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+            try:
+                example = json.loads(line)
+                endings, label = example["endings"], example["label"]
+                valid = (isinstance(example["ctx"], str) and label in range(4) and isinstance(
+                    endings, list) and [type(ending) for ending in endings] == [str] * 4)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                valid = False
+            if not valid:
+                raise RunError(f"{path} line {line_number} is not a HellaSwag record (ctx, "
+                               "4 endings, label 0-3)")
+            examples.append(example)
+        if not examples:
+            raise RunError(f"{path} holds no HellaSwag records: give hellaswag_val.jsonl's path")
+        return examples
+
+    def restore(self, checkpoint, model, optimizers, scaler, loader):
+        """The recipe's, saying what differs from the checkpoint's run."""
+        saved, step, tokens = checkpoint["config"], checkpoint["step"], loader.stream.num_tokens
+        if checkpoint["train_tokens"] != tokens:
+            self.info(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
+                      f"{checkpoint['train_tokens']:,}: its data position points at other tokens "
+                      "now; resume with the checkpoint's data to go on exactly")
+        changed = {f.name: saved.get(f.name) for f in dataclasses.fields(TrainConfig) if f.metadata[
+            "section"] == "optimizer" and saved.get(f.name) != getattr(self.cfg, f.name)}
+        if changed:  # allowed (to extend a run)
+            old = dataclasses.replace(self.cfg, **{k: v for k, v in changed.items() if v is not None})
+            flags = ", ".join(f"--{k} {v} -> {getattr(self.cfg, k)}" for k, v in changed.items())
+            self.info(f"warning: the optimizer and schedule differ from the checkpoint's ({flags}): "
+                      f"at step {step} the learning rate goes on at {lr_at(step, self.cfg):.4e} "
+                      f"instead of {lr_at(step, old):.4e}")
+        return super().restore(checkpoint, model, optimizers, scaler, loader)
+
+    # ---- the log: metrics.jsonl, and TensorBoard's events beside it
+    def open_log(self, checkpoint):
+        """Make --log_dir; metrics.jsonl: empty, or the records before the checkpoint's step."""
+        cfg, resume_step = self.cfg, checkpoint and checkpoint["step"]
+        try:
+            os.makedirs(cfg.log_dir, exist_ok=True)
+        except OSError as error:
+            why = "it is a file" if os.path.isfile(cfg.log_dir) else error.strerror
+            raise RunError(f"cannot make --log_dir {cfg.log_dir} ({why}): give a folder you can "
+                           "write to") from None
         kept = []
         if resume_step is not None and os.path.exists(self.path):
             with open(self.path) as f:
@@ -984,11 +1369,12 @@ class MetricsLog:
                         if json.loads(line).get("step", resume_step) < resume_step:
                             kept.append(line)
         write_atomically(self.path, lambda temporary: Path(temporary).write_text("".join(kept)))
-        if self.tensorboard:
+        remove_killed_writes(cfg.log_dir)
+        if cfg.tensorboard:
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
             name = f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}"
-            self.board_path = os.path.join(os.path.dirname(self.path), name)
-            first = not glob.glob(os.path.join(os.path.dirname(self.path), "events.out.tfevents.*"))
+            first = not glob.glob(os.path.join(cfg.log_dir, "events.out.tfevents.*"))
+            self.board_path = os.path.join(cfg.log_dir, name)
             # TensorBoard drops old events from this step on; first turned on: write the kept ones
             restart = Event(step=resume_step or 0, session_log=SessionLog(status=SessionLog.START))
             self.write_events([json.loads(line) for line in kept if first],
@@ -1006,84 +1392,101 @@ class MetricsLog:
             for event in events:
                 RecordWriter(f).write(event.SerializeToString())
 
-    def info(self, line):
-        if self.active:
-            print(line, flush=True)
-
-    def write(self, record, line):
-        if not self.active:
-            return
-        self.info(line)
-        self.records.append(record)
-        if self.problem:
+    def log(self, record, line):
+        """The recipe's line and record (with MFU), and the record in the files. A failed write
+        is kept as self.problem, to stop every rank at the step's end."""
+        if self.cfg.peak_tflops and "ms" in record:
+            record["mfu"] = model_flops_utilization(self.flops_per_step, record["ms"],
+                                                    self.cfg.peak_tflops, self.launch.world_size)
+            line += f" | MFU {100 * record['mfu']:.1f}%"
+        super().log(record, line)
+        if self.launch.rank != 0 or self.problem:
             return
         size = os.path.getsize(self.path)
         try:
             with failed_write_is_one_line(self.path), open(self.path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-            if self.tensorboard:
+            if self.cfg.tensorboard:
                 self.write_events([record])
         except RunError as error:
             os.truncate(self.path, size)  # no half record left
             self.problem = str(error)
 
-    def start(self, notes, cfg, device, W, model, accum_steps, loader):
-        """The notes, then the start line (W processes): every choice made."""
-        params, self.world_size, self.epoch = count_parameters(model), W, loader.epoch
+    def start(self, model, accum_steps, loader):
+        """The notes, then the start line: every choice made."""
+        cfg, W, params = self.cfg, self.launch.world_size, count_parameters(model)
         self.flops_per_step = cfg.total_batch_size * flops_per_token(model.config, params,
                                                                      cfg.seq_len)
-        card = f", {torch.cuda.get_device_name(device)}" if device.startswith("cuda") else ""
+        self.epoch = loader.epoch
+        card = f", {torch.cuda.get_device_name(cfg.device)}" if cfg.device.startswith("cuda") else ""
         mfu = (f", MFU against {cfg.peak_tflops:g} TFLOP/s" if cfg.peak_tflops else
                ", no MFU: its peak TFLOP/s is unknown, give --peak_tflops" if card else "")
         sharded = ("optimizer state sharded over the processes; " if cfg.shard_optimizer and W > 1
                    else "")
-        self.info("\n".join([*notes, (
-            f"device {device}{card} ({cfg.dtype}, compile {'on' if cfg.compile else 'off'}"
+        self.info("\n".join([*self.notes, (
+            f"device {cfg.device}{card} ({cfg.dtype}, compile {'on' if cfg.compile else 'off'}"
             f"{mfu}), {W} process(es); {params:,} parameters; {cfg.total_batch_size:,} tokens "
             f"per step = {accum_steps} micro-steps x {W} process(es) x {cfg.micro_batch_size} "
             f"x {cfg.seq_len}; {sharded}{loader.stream.num_tokens:,} train tokens" + (
                 f"; flags not given: {cfg.init_from}'s seq_len, batch sizes, eval_steps"
                 if os.path.isfile(cfg.init_from) else ""))]))
 
-    def train_step(self, step, cfg, loss, lr, grad_norm, ms, loader):
-        """Log the step; a loss or norm not finite stops the run (every rank holds the same)."""
+    def log_step(self, step, loss, lr, grad_norm, ms, loader):
+        """The recipe's line; then a new epoch's."""
         self.step_ms.append(ms)
-        record = {"step": step, "train_loss": loss, "lr": lr, "grad_norm": grad_norm, "ms": ms,
-                  "tokens_per_s": cfg.total_batch_size * 1000 / ms}
-        line = (f"step {step:5d}/{cfg.max_steps} | loss {loss:.6f} | lr {lr:.4e} | norm "
-                f"{grad_norm:.4f} | {ms:.0f} ms | {record['tokens_per_s']:,.0f} tok/s")
-        if cfg.peak_tflops:
-            record["mfu"] = model_flops_utilization(self.flops_per_step, ms, cfg.peak_tflops,
-                                                    self.world_size)
-            line += f" | MFU {100 * record['mfu']:.1f}%"
-        self.write(record, line)
+        super().log_step(step, loss, lr, grad_norm, ms, loader)
         if loader.epoch > self.epoch:
             self.epoch = loader.epoch
-            self.write({"step": step, "epoch": loader.epoch}, f"step {step:5d}/{cfg.max_steps} | "
-                       f"epoch {loader.epoch} begins: all {loader.num_windows:,} training windows "
-                       f"were used, starting again{' in a new order' if loader.shuffle else ''}")
-        check_step_finite(step, loss, grad_norm, cfg.dtype == "float16", cfg.log_dir)
+            self.log({"step": step, "epoch": loader.epoch}, f"step {step:5d}/{self.cfg.max_steps} "
+                     f"| epoch {loader.epoch} begins: all {loader.num_windows:,} training windows "
+                     f"were used, starting again{' in a new order' if loader.shuffle else ''}")
+
+    def diverged(self, step, loss, grad_norm):
+        """Nothing is saved from this step: name the checkpoint to go back to."""
+        saved = checkpoint_paths(self.cfg.log_dir)
+        go_back = (f"go on from {saved[0]} (--resume {saved[0]}), or an older checkpoint if the "
+                   "loss was rising there already," if saved else "start again")
+        raise RunError(f"training diverged at step {step}: loss {loss:.4g}, gradient norm "
+                       f"{grad_norm:.4g}; nothing was saved from this step: {go_back} with a "
+                       "lower --max_lr or more --warmup_steps")
+
+    def stop_requested(self):
+        """A signal to any rank; a failed write or a bad token on any rank is raised on all."""
+        return stop_or_fail_together(self.stop_signal["requested"], [self, *self.inputs[2:4]],
+                                     self.launch)
+
+    def write_checkpoint(self, state, steps_done):
+        """Rank 0 writes it whole, with its sha256, keeping --keep_ckpts; all stop if it could
+        not."""
+        path = os.path.join(self.cfg.log_dir, f"ckpt_{steps_done}.pt")
+        on_every_rank(self.launch, lambda: state is not None and save_checkpoint(
+            path, state, self.cfg.keep_ckpts))
 
     def stopped(self, step, reason):
-        self.info(f"stopped by {reason} after step {step}, checkpoint {os.path.dirname(self.path)}"
-                  f"/ckpt_{step + 1}.pt written: to continue, {RESUME_AUTO}")
+        self.info(f"stopped by {reason} after step {step}, checkpoint {self.cfg.log_dir}/ckpt_"
+                  f"{step + 1}.pt written: to continue, {RESUME_AUTO}")
 
-    def evaluation(self, step, max_steps, scores: dict):
-        """Scores after step (-1: before training)."""
-        self.write({"step": step, **scores}, f"step {step:5d}/{max_steps} | " + (
-            f"val loss {scores['val_loss']:.6f}" if "val_loss" in scores else "HellaSwag acc_norm "
-            f"{scores['hellaswag_acc_norm']:.4f} (acc {scores['hellaswag_acc']:.4f})"))
-
-    def summary(self, start_step, cfg, device):
-        """Median speed after the untimed steps; peak memory."""
+    def finish(self, start_step):
+        """The summary: median speed after the untimed steps, peak memory; the last checkpoint.
+        Every rank stops if rank 0's log could not be written."""
+        cfg = self.cfg
         if not self.step_ms:
-            return self.info(f"nothing to train: the checkpoint is at step {start_step} of "
-                             f"--max_steps {cfg.max_steps}")
+            self.info(f"nothing to train: the checkpoint is at step {start_step} of --max_steps "
+                      f"{cfg.max_steps}")
+        else:
+            self.summary()
+        if self.step_ms and cfg.ckpt_every and (written := checkpoint_paths(cfg.log_dir)):
+            self.info(f"last checkpoint: {written[0]}")  # this run's last write
+        stop_or_fail_together(False, [self], self.launch)
+        super().finish(start_step)
+
+    def summary(self):
+        cfg = self.cfg
         timed = self.step_ms[3:] or self.step_ms  # the first 3 compile and warm up: untimed
         median_ms = float(np.median(timed))
         summary = {"timed_steps": len(timed), "median_ms": median_ms,
                    "median_tokens_per_s": cfg.total_batch_size * 1000 / median_ms}
-        if device.startswith("cuda"):
+        if cfg.device.startswith("cuda"):
             summary["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         else:  # resident
@@ -1096,15 +1499,9 @@ class MetricsLog:
                 "GiB reserved)" if "peak_reserved_gib" in summary else ""))
         if cfg.peak_tflops:
             summary["mfu"] = model_flops_utilization(self.flops_per_step, median_ms,
-                                                     cfg.peak_tflops, self.world_size)
+                                                     cfg.peak_tflops, self.launch.world_size)
             line += f"; MFU {100 * summary['mfu']:.1f}% of {cfg.peak_tflops:g} TFLOP/s"
-        self.write({"summary": summary}, line)
-        if cfg.ckpt_every and (written := checkpoint_paths(os.path.dirname(self.path))):
-            self.info(f"last checkpoint: {written[0]}")  # this run's last write
-
-
-def count_parameters(model: nn.Module):
-    return sum(p.numel() for p in model.parameters())  # the tied matrix once
+        self.log({"summary": summary}, line)
 
 
 def flops_per_token(model_config: GPTConfig, num_params, seq_len):
@@ -1116,60 +1513,30 @@ def model_flops_utilization(flops_per_step, step_ms, peak_tflops, world_size):
     return flops_per_step * 1000 / step_ms / (world_size * peak_tflops * 1e12)
 
 
+def stop_or_fail_together(signalled, sources: list, launch):
+    """Whether any rank got a stop signal; any rank's problem is raised on all."""
+    problem = next((source.problem for source in sources if getattr(source, "problem", None)),
+                   None)
+    reports = gather((signalled, problem), launch)
+    raise_first_problem([problem for _, problem in reports])
+    return any(signalled for signalled, _ in reports)
+
 # ------------------------------ reading the inputs
-def read_inputs_and_open_log(cfg, launch, log) -> "Inputs":
-    """Each rank reads and checks the inputs; then rank 0 opens the log. Any problem stops all."""
-    inputs = on_every_rank(launch, lambda: read_inputs(cfg, launch, log))
-    found = gather((inputs.train_tokens.num_tokens, inputs.val_tokens and
-                    inputs.val_tokens.num_tokens, inputs.checkpoint and inputs.checkpoint["step"]),
-                   launch)
-    if len(set(found)) > 1:
-        raise RunError(f"the ranks found different data or checkpoints ((train tokens, val "
-                       f"tokens, checkpoint step) on each: {found}): give every machine the "
-                       "same shards and a shared --log_dir")
-    on_every_rank(launch, lambda: launch.rank == 0 and open_log_dir(cfg, log, inputs.checkpoint))
-    return inputs
-
-
-def on_every_rank(launch, work):
-    """work()'s value; a RunError on any rank is raised on every rank (the lowest rank's)."""
-    try:
-        value, problem = work(), None
-    except RunError as error:
-        value, problem = None, str(error)
-    raise_first_problem(gather(problem, launch))
-    return value
-
-
-def read_inputs(cfg, launch, log) -> "Inputs":
-    if (earlier := checkpoint_paths(cfg.log_dir)) and not cfg.resume:  # --resume auto takes them
-        raise RunError(f"--log_dir {cfg.log_dir} holds an earlier run's checkpoints "
-                       f"({os.path.basename(earlier[0])}): continue it with --resume auto, "
-                       "or pass another --log_dir")
-    checkpoint = find_resume_checkpoint(cfg, log.info)
-    model_config, weights = initial_weights(cfg)  # before the data's download
-    if checkpoint is not None:
-        check_resumable(checkpoint, cfg, model_config)
-    train_tokens, val_tokens = open_token_streams(cfg, with_val=cfg.eval_every > 0)
-    return Inputs(model_config, weights, train_tokens, val_tokens, checkpoint,
-                  open_hellaswag(cfg, launch, model_config.block_size) if cfg.hellaswag_every
-                  else [], gpt2_tokenizer() if cfg.sample_every else None)
-
-
-# what every rank read and checked before training; weights: --init_from's, hellaswag: this rank's
-Inputs = collections.namedtuple("Inputs", ["model_config", "weights", "train_tokens", "val_tokens",
-                                           "checkpoint", "hellaswag", "tokenizer"])
-
-
-def open_log_dir(cfg, log, checkpoint):
-    try:
-        os.makedirs(cfg.log_dir, exist_ok=True)
-    except OSError as error:
-        why = "it is a file" if os.path.isfile(cfg.log_dir) else error.strerror
-        raise RunError(f"cannot make --log_dir {cfg.log_dir} ({why}): give a folder you can "
-                       "write to") from None
-    log.begin(checkpoint and checkpoint["step"])
-    remove_killed_writes(cfg.log_dir)
+def check_token_counts(streams, cfg, with_val):
+    """(train, val) hold a step, and val an evaluation."""
+    T, tokens = cfg.seq_len, f"{cfg.total_batch_size:,} tokens"
+    step_windows = cfg.total_batch_size // T
+    more = "more shards" if cfg.data_dir else "--data_dir with fineweb.py's shards"
+    for stream, name, windows, need, fix in [
+        (streams[0], "training", step_windows, f"one step of --total_batch_size {tokens}",
+         f"train on more data ({more}) or lower --total_batch_size (the README's quick start "
+         "trains a small model on tiny Shakespeare)"),
+        (streams[1], "validation", step_windows * cfg.eval_steps * with_val,
+         f"an evaluation of --eval_steps {cfg.eval_steps} steps of {tokens}", f"lower "
+         f"--eval_steps or --total_batch_size, or use more data ({more})")]:
+        if (held := max(0, stream.num_tokens - 1) // T) < windows:  # DataLoader's windows
+            raise RunError(f"the {name} data holds {stream.num_tokens:,} tokens, {held:,} windows "
+                           f"of {T} + 1, but {need} needs {windows:,}: {fix}")
 
 
 def checkpoint_paths(log_dir):
@@ -1179,18 +1546,37 @@ def checkpoint_paths(log_dir):
     return [p for _, p in sorted(found, reverse=True)]
 
 
-def find_resume_checkpoint(cfg, say) -> dict | None:
-    """The checkpoint --resume names; 'auto': the newest that loads, or None."""
-    if cfg.resume != "auto":
-        return load_checkpoint(cfg.resume) if cfg.resume else None
-    for path in checkpoint_paths(cfg.log_dir):
-        try:
-            return load_checkpoint(path)
-        except RunError as error:
-            say(f"warning: skipping {error}")
-    say(f"--resume auto: no checkpoint in {cfg.log_dir}, starting from scratch")
-    return None
-
+def read_checkpoint(path, flag="--resume"):
+    """A checkpoint of ours, checked: torch.save's file, its sha256, its keys; its model_config
+    GPTConfig's fields alone (older files held flags there, as recompute: this run's)."""
+    if not os.path.isfile(path):
+        raise RunError(missing_checkpoint(path, flag))
+    not_ours, give = f"{flag} {path} is not a checkpoint", "give a ckpt_<step>.pt from a --log_dir"
+    with open(path, "rb") as f:
+        if f.read(4) != b"PK\x03\x04":  # torch.save writes zip files
+            raise RunError(f"{not_ours} (not a file torch.save wrote): {give}")
+    checksum = Path(f"{path}.sha256")
+    if checksum.exists() and checksum.read_text().strip() != file_sha256(path):
+        raise RunError(f"checkpoint {path} is corrupt (its sha256 differs from {checksum}): "
+                       "resume from an older checkpoint")
+    try:  # on the CPU: the GPU may lack room beside the model
+        checkpoint = Run.load_checkpoint(path)
+    except Exception as error:  # a cut or foreign file fails in many ways
+        fix = "resume from an older checkpoint" if flag == "--resume" else "give another checkpoint"
+        raise RunError(f"cannot read checkpoint {path} ({str(error).splitlines()[0]}): {fix}") \
+            from None
+    if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
+        holds = (f"keys {', '.join(map(str, checkpoint))}" if isinstance(checkpoint, dict)
+                 else type(checkpoint).__name__)
+        raise RunError(f"{not_ours} of train_gpt2.py (it holds {holds}): {give}")
+    saved, known = checkpoint["model_config"], {f.name for f in dataclasses.fields(GPTConfig)}
+    flags = {f.name for f in dataclasses.fields(TrainConfig)}
+    if unknown := [name for name in saved if name not in known | flags]:
+        raise RunError(f"{path} holds model field(s) {', '.join(unknown)} that GPTConfig lacks: "
+                       "add them to GPTConfig, or use the code that wrote it")
+    checkpoint["model_config"] = {k: v for k, v in saved.items() if k in known}
+    checkpoint["path"] = path
+    return checkpoint
 
 def missing_checkpoint(path, flag) -> str:
     """What to say of a --resume or --init_from that is no file: the checkpoints there."""
@@ -1202,30 +1588,6 @@ def missing_checkpoint(path, flag) -> str:
     return f"{flag} {path} {'is a folder' if folder == path else 'does not exist'}: {fix}"
 
 
-def load_checkpoint(path, flag="--resume"):
-    if not os.path.isfile(path):
-        raise RunError(missing_checkpoint(path, flag))
-    not_ours, give = f"{flag} {path} is not a checkpoint", "give a ckpt_<step>.pt from a --log_dir"
-    with open(path, "rb") as f:
-        if f.read(4) != b"PK\x03\x04":  # torch.save writes zip files
-            raise RunError(f"{not_ours} (not a file torch.save wrote): {give}")
-    checksum = Path(f"{path}.sha256")
-    if checksum.exists() and checksum.read_text().strip() != file_sha256(path):
-        raise RunError(f"checkpoint {path} is corrupt (its sha256 differs from {checksum}): "
-                       "resume from an older checkpoint")
-    try:  # the GPU may lack room beside the model
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as error:  # a cut or foreign file fails in many ways
-        fix = "resume from an older checkpoint" if flag == "--resume" else "give another checkpoint"
-        raise RunError(f"cannot read checkpoint {path} ({str(error).splitlines()[0]}): {fix}") \
-            from None
-    if not isinstance(checkpoint, dict) or not CHECKPOINT_KEYS <= checkpoint.keys():
-        holds = (f"keys {', '.join(map(str, checkpoint))}" if isinstance(checkpoint, dict)
-                 else type(checkpoint).__name__)
-        raise RunError(f"{not_ours} of train_gpt2.py (it holds {holds}): {give}")
-    checkpoint["path"] = path
-    return checkpoint
-
 CHECKPOINT_KEYS = {"model", "model_config", "optimizer", "scaler", "step", "config",
                    "windows_consumed", "rng"}
 
@@ -1236,31 +1598,6 @@ def file_sha256(path):
         while chunk := f.read(2**24):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def initial_weights(cfg) -> tuple[GPTConfig, dict | None]:
-    """The model's config and --init_from's weights (None: a new model)."""
-    if not cfg.init_from:  # each field from its flag of the same name
-        known = {f.name for f in dataclasses.fields(GPTConfig)}
-        return GPTConfig(**{k: v for k, v in vars(cfg).items() if k in known}), None
-    if cfg.init_from in MODEL_SHAPES:  # as released
-        model_config = GPTConfig(**init_from_settings(cfg.init_from)[0], dropout=cfg.dropout)
-        weights = load_openai_weights(cfg.init_from)
-    else:
-        checkpoint = load_checkpoint(cfg.init_from, "--init_from")
-        model_config, weights = checkpoint_model_config(checkpoint, cfg), checkpoint["model"]
-    check_weights_fit(weights, model_config, cfg.init_from, "--init_from")
-    return model_config, weights
-
-
-def checkpoint_model_config(checkpoint, cfg) -> GPTConfig:
-    """Its GPTConfig with this run's --dropout. A field GPTConfig lacks is refused (older files
-    held flags there, as recompute: this run's). A field the file lacks: the default."""
-    saved, known = checkpoint["model_config"], {f.name for f in dataclasses.fields(GPTConfig)}
-    if unknown := [name for name in saved if name not in known and not hasattr(cfg, name)]:
-        raise RunError(f"{checkpoint['path']} holds model field(s) {', '.join(unknown)} that "
-                       "GPTConfig lacks: add them to GPTConfig, or use the code that wrote it")
-    return GPTConfig(**{**{k: v for k, v in saved.items() if k in known}, "dropout": cfg.dropout})
 
 
 def load_openai_weights(name):
@@ -1319,7 +1656,7 @@ def check_weights_fit(weights: dict, model_config: GPTConfig, source, flag):
 
 
 def check_resumable(checkpoint: dict, cfg, model_config: GPTConfig):
-    saved = checkpoint_model_config(checkpoint, cfg)
+    saved = GPTConfig(**{**checkpoint["model_config"], "dropout": cfg.dropout})
     differing = [f"{name} {value} -> {getattr(model_config, name)}"
                  for name, value in vars(saved).items() if value != getattr(model_config, name)]
     differing += [f"{name} {checkpoint['config'][name]} -> {getattr(cfg, name)}"
@@ -1336,28 +1673,6 @@ def check_resumable(checkpoint: dict, cfg, model_config: GPTConfig):
     check_weights_fit(checkpoint["model"], model_config, checkpoint["path"], "--resume")
 
 
-def open_token_streams(cfg, with_val) -> tuple[TokenStream, TokenStream | None]:
-    """(train, val), checked to hold a step and an evaluation."""
-    if not cfg.data_dir and not cfg.text_file and not os.path.exists(TEXT_FILE):
-        download(TINY_SHAKESPEARE_URL, TEXT_FILE,
-                 "put a text file there, or pass --text_file or --data_dir")
-    streams, T, tokens = load_token_streams(cfg), cfg.seq_len, f"{cfg.total_batch_size:,} tokens"
-    step_windows = cfg.total_batch_size // T
-    more = "more shards" if cfg.data_dir else "--data_dir with fineweb.py's shards"
-    for stream, name, windows, need, fix in [
-        (streams[0], "training", step_windows, f"one step of --total_batch_size {tokens}",
-         f"train on more data ({more}) or lower --total_batch_size (the README's quick start "
-         "trains a small model on tiny Shakespeare)"),
-        (streams[1] if with_val else None, "validation", step_windows * cfg.eval_steps,
-         f"an evaluation of --eval_steps {cfg.eval_steps} steps of {tokens}", f"lower "
-         f"--eval_steps or --total_batch_size, or use more data ({more})")]:
-        held = stream and max(0, stream.num_tokens - 1) // T  # DataLoader's windows
-        if stream and held < windows:
-            raise RunError(f"the {name} data holds {stream.num_tokens:,} tokens, {held:,} "
-                           f"windows of {T} + 1, but {need} needs {windows:,}: {fix}")
-    return streams[0], streams[1] if with_val else None
-
-TEXT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "input.txt")
 TINY_SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
                         "tinyshakespeare/input.txt")
 
@@ -1404,24 +1719,14 @@ def failed_write_is_one_line(path, then=RESUME_AUTO):
                        f"{os.path.dirname(path) or '.'}, then {then}") from None
 
 
-def load_token_streams(cfg) -> tuple[TokenStream, TokenStream]:
-    """(train, val): --data_dir's shards, or the text file split 90/10."""
-    if cfg.data_dir:
-        paths = [find_shards(cfg.data_dir, split) for split in ("train", "val")]
-        return tuple(CheckedTokenStream([open_shard(path) for path in group], group)
-                     for group in paths)
-    tokens = read_text_tokens(cfg.text_file or TEXT_FILE)
-    split = int(0.9 * len(tokens))
-    return CheckedTokenStream([tokens[:split]]), CheckedTokenStream([tokens[split:]])
-
-
 class CheckedTokenStream(TokenStream):
     """An id beyond GPT-2's (another tokenizer's shard) is clipped and kept as .problem: the run
     stops at the step's end, on every rank, naming the shard."""
 
-    def __init__(self, arrays, names=None):
+    def __init__(self, arrays):
         super().__init__(arrays)
-        self.names, self.problem = names or ["the text"] * len(arrays), None
+        self.names = [getattr(array, "filename", None) or "the text" for array in arrays]
+        self.problem = None
 
     def read(self, start, count):
         tokens = super().read(start, count)
@@ -1435,121 +1740,17 @@ class CheckedTokenStream(TokenStream):
         return tokens
 
 
-def find_shards(data_dir, split):
-    if not os.path.isdir(data_dir):
-        raise RunError(f"--data_dir {data_dir} is not a folder: run fineweb.py to make shards, "
-                       "or fix the path")
-    if os.path.exists(os.path.join(data_dir, "INCOMPLETE")):  # fineweb.py's, until done
-        raise RunError(f"--data_dir {data_dir} is incomplete (fineweb.py's INCOMPLETE file is "
-                       "there): wait for fineweb.py, or rerun it with --resume")
-    if not (paths := sorted(glob.glob(os.path.join(data_dir, f"*_{split}_*.npy")))):
-        raise RunError(f"no {split} shards (*_{split}_*.npy) in --data_dir {data_dir}: "
-                       "run fineweb.py to make them")
-    return paths
-
-
-def open_shard(path):
-    """Memory-mapped: a batch reads the pages it touches, not the whole shard."""
-    try:
-        tokens = np.load(path, mmap_mode="r")
-    except OSError as error:  # a folder, no permission, a bad disk
-        raise RunError(f"cannot read shard {path} ({error.strerror or error}): check the file") \
-            from None
-    except (ValueError, EOFError):  # no .npy header: numpy calls it "pickled data"
-        raise RunError(f"cannot read shard {path}: it is not a .npy file (empty, cut short or "
-                       "another format): delete it and rerun fineweb.py") from None
-    if tokens.dtype != np.uint16 or tokens.ndim != 1 or len(tokens) < 1:
-        raise RunError(f"shard {path} holds {tokens.dtype} of shape {tokens.shape}, not a 1-D "
-                       "uint16 array of tokens: rerun fineweb.py")
-    return tokens
-
-
-def read_text_tokens(path):
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise RunError(f"--text_file {path} does not exist: give a text file, or --data_dir "
-                       "with fineweb.py's shards") from None
-    except (OSError, UnicodeDecodeError) as error:
-        reason = (error.strerror if isinstance(error, OSError)
-                  else f"not UTF-8: {error.reason} at byte {error.start}")
-        raise RunError(f"cannot read --text_file {path} ({reason}): give a UTF-8 text file") \
-            from None
-    return np.array(gpt2_tokenizer().encode_ordinary(text), dtype=np.uint16)
-
-
 def gpt2_tokenizer():
-    import tiktoken  # here: importing this file does no work
     try:
-        return tiktoken.get_encoding("gpt2")
+        return Run.tokenizer()
     except (OSError, ValueError) as error:  # offline; a damaged file
         raise RunError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
                        "downloads its two files once; connect to the network, or set "
                        "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
 
 
-def open_hellaswag(cfg, launch, block_size):
-    path = cfg.hellaswag_path or HELLASWAG_CACHE
-    if not os.path.exists(path):
-        download(HELLASWAG_URL, path, "pass --hellaswag_path with a local copy of it")
-    examples, tokenizer = read_hellaswag(path), gpt2_tokenizer()
-    rendered = [render_hellaswag(example, tokenizer)
-                for example in examples[launch.rank :: launch.world_size]]
-    if (longest := max((tokens.size(1) for tokens, _, _ in rendered), default=0)) > block_size:
-        fix = "" if cfg.eval_only else ", or drop --hellaswag_every"
-        raise RunError(f"the longest HellaSwag example in {path} takes {longest} tokens, more "
-                       f"than the model's block_size of {block_size}: HellaSwag needs "
-                       f"--block_size {longest} or more{fix}")
-    return pack_hellaswag(rendered, min(8192, cfg.micro_batch_size * cfg.seq_len))  # padding too
-
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_CACHE = os.path.expanduser("~/.cache/train_gpt2/hellaswag_val.jsonl")
-
-
-def read_hellaswag(path):
-    """The records: "ctx", 4 "endings", the right one's index "label"."""
-    examples = []
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            try:
-                example = json.loads(line)
-                endings, label = example["endings"], example["label"]
-                valid = (isinstance(example["ctx"], str) and label in range(4)
-                         and isinstance(endings, list) and [type(e) for e in endings] == [str] * 4)
-            except (json.JSONDecodeError, KeyError, TypeError):
-                valid = False
-            if not valid:
-                raise RunError(f"{path} line {line_number} is not a HellaSwag record (ctx, "
-                               "4 endings, label 0-3)")
-            examples.append(example)
-    if not examples:
-        raise RunError(f"{path} holds no HellaSwag records: give hellaswag_val.jsonl's path")
-    return examples
-
-
-def render_hellaswag(example: dict, tokenizer) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """tokens (4, L): context then each ending; mask (4, L): 1 on ending tokens."""
-    context = tokenizer.encode_ordinary(example["ctx"])
-    rows = [context + tokenizer.encode_ordinary(" " + ending) for ending in example["endings"]]
-    tokens = torch.zeros(4, max(len(row) for row in rows), dtype=torch.long)
-    mask = torch.zeros_like(tokens)
-    for i, row in enumerate(rows):
-        tokens[i, : len(row)] = torch.tensor(row)
-        mask[i, len(context) : len(row)] = 1
-    return tokens, mask, int(example["label"])
-
-
-def pack_hellaswag(rendered: list[tuple], max_tokens):
-    """Batches (tokens, mask (4n, L), labels (n,)) of up to max_tokens, shortest first."""
-    groups = []
-    for example in sorted(rendered, key=lambda example: example[0].size(1)):  # longest last
-        if not groups or 4 * (len(groups[-1]) + 1) * example[0].size(1) > max_tokens:
-            groups.append([])
-        groups[-1].append(example)
-    pad = functools.partial(nn.utils.rnn.pad_sequence, batch_first=True)  # to the longest row
-    return [(pad([row for tokens, _, _ in group for row in tokens]),
-             pad([row for _, mask, _ in group for row in mask]),
-             torch.tensor([label for _, _, label in group])) for group in groups]
 
 
 def remove_killed_writes(log_dir):
@@ -1559,89 +1760,6 @@ def remove_killed_writes(log_dir):
 
 
 # ------------------------------ checkpoints
-def restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, loader, device, log):
-    if checkpoint is None:  # returns the step to go on from
-        return 0
-    model.load_state_dict(checkpoint["model"])
-    for optimizer, state in zip(optimizers, checkpoint["optimizer"], strict=True):
-        optimizer.load_state_dict(state)
-    if checkpoint["scaler"]:
-        scaler.load_state_dict(checkpoint["scaler"])
-    loader.windows_consumed = checkpoint["windows_consumed"]
-    if loader.rank < len(checkpoint["rng"]):  # a new rank keeps its seed
-        restore_rng_states(checkpoint["rng"][loader.rank], device)
-    saved, step, tokens = checkpoint["config"], checkpoint["step"], loader.stream.num_tokens
-    if checkpoint["train_tokens"] != tokens:
-        log.info(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
-                 f"{checkpoint['train_tokens']:,}: its data position points at other tokens now; "
-                 "resume with the checkpoint's data to go on exactly")
-    changed = {f.name: saved.get(f.name) for f in dataclasses.fields(TrainConfig) if f.metadata[
-        "section"] == "optimizer" and saved.get(f.name) != getattr(cfg, f.name)}
-    if changed:  # allowed (to extend a run)
-        old_cfg = dataclasses.replace(cfg, **{k: v for k, v in changed.items() if v is not None})
-        flags = ", ".join(f"--{k} {v} -> {getattr(cfg, k)}" for k, v in changed.items())
-        log.info(f"warning: the optimizer and schedule differ from the checkpoint's ({flags}): "
-                 f"at step {step} the learning rate goes on at {lr_at(step, cfg):.4e} instead of "
-                 f"{lr_at(step, old_cfg):.4e}")
-    log.info(f"resumed from step {step} ({checkpoint['windows_consumed']:,} windows into the data)")
-    return step
-
-
-def restore_rng_states(states, device):
-    torch.set_rng_state(states["torch_cpu"])
-    if states["torch_cuda"] and device.startswith("cuda"):
-        torch.cuda.set_rng_state(states["torch_cuda"][0], device)
-
-
-def check_step_finite(step, train_loss, grad_norm, loss_scaling, log_dir):
-    """Stop on a loss or norm not finite (float16 skips inf norms), saving nothing."""
-    if math.isfinite(train_loss) and (loss_scaling or math.isfinite(grad_norm)):
-        return
-    saved = checkpoint_paths(log_dir)
-    go_back = (f"go on from {saved[0]} (--resume {saved[0]}), or an older checkpoint if the loss "
-               "was rising there already," if saved else "start again")
-    raise RunError(f"training diverged at step {step}: loss {train_loss:.4g}, gradient norm "
-                   f"{grad_norm:.4g}; nothing was saved from this step: {go_back} with a lower "
-                   "--max_lr or more --warmup_steps")
-
-
-def stop_or_fail_together(signalled, sources: list, launch, device):
-    """Whether any rank got a stop signal; raises any rank's problem on all."""
-    problem = next((source.problem for source in sources if getattr(source, "problem", None)),
-                   None)
-    flags = [signalled, problem is not None]
-    if launch.torchrun:
-        values = torch.tensor(flags, dtype=torch.float32, device=device)
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-        flags = [bool(value) for value in values.tolist()]
-    if flags[1]:
-        raise_first_problem(gather(problem, launch))
-    return flags[0]
-
-
-def write_checkpoint(cfg, launch, device, model, optimizers, scaler, loader, steps_done):
-    """Rank 0 writes ckpt_<steps_done>.pt; all stop if it could not."""
-    if cfg.shard_optimizer and launch.world_size > 1:
-        for optimizer in optimizers:
-            optimizer.consolidate_state_dict(to=0)  # each rank sends its share
-    rng = gather(rng_states(device), launch)
-
-    def save():
-        state = {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
-                 "optimizer": [optimizer.state_dict() for optimizer in optimizers], "rng": rng,
-                 "scaler": scaler.state_dict(), "config": dataclasses.asdict(cfg),
-                 "step": steps_done, "windows_consumed": loader.windows_consumed,
-                 "train_tokens": loader.stream.num_tokens}
-        save_checkpoint(os.path.join(cfg.log_dir, f"ckpt_{steps_done}.pt"), state, cfg.keep_ckpts)
-    on_every_rank(launch, lambda: launch.rank == 0 and save())
-
-
-def rng_states(device):
-    """torch's generators; on CUDA this GPU's only (a new machine may have fewer)."""
-    return {"torch_cpu": torch.get_rng_state(),
-            "torch_cuda": [torch.cuda.get_rng_state(device)] if device.startswith("cuda") else []}
-
-
 def save_checkpoint(path, state, keep):
     """The checkpoint and its sha256 (torch.load misses a flipped byte); keeps `keep`."""
     def save(temporary):  # to a file: given a path, torch.save hides a full disk's OSError
@@ -1657,23 +1775,6 @@ def save_checkpoint(path, state, keep):
         for stale in glob.glob(glob.escape(old) + "*"):  # with its .sha256
             os.remove(stale)
     remove_killed_writes(os.path.dirname(path))
-
-
-# ------------------------------ sampling while training
-def print_samples(model: GPT, tokenizer, cfg, autocast, caches, next_token=sample_next):
-    """Print (and return) --num_samples continuations of --prompt."""
-    with sdpa_kernel(WITHOUT_CUDNN):
-        samples = generate(model, tokenizer.encode_ordinary(cfg.prompt), cfg.max_new_tokens,
-                           caches, cfg.num_samples, cfg.temperature, cfg.top_k, cfg.seed,
-                           autocast, next_token)
-    texts = [cfg.prompt + tokenizer.decode(sample) for sample in samples]
-    for i, text in enumerate(texts):
-        print(f"sample {i}: {text}", flush=True)
-    return texts
-
-
-# cuDNN's attention would plan anew for each length (the prompt's, each window's): 64 tokens/s
-WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 # ------------------------------ when a run stops early
@@ -1704,16 +1805,15 @@ def out_of_memory_message(cfg, device, world_size):
 # ------------------------------ other run modes
 def generate_samples(cfg, device):
     """--generate: the samples, then their speed."""
-    model = build_model(cfg, *initial_weights(cfg), device)
+    model = build_model(cfg, *CheckedRun(cfg).initial_weights(), device)
     if not cfg.init_from:
         print("no --init_from: the samples come from untrained weights", flush=True)
     tokenizer, autocast = gpt2_tokenizer(), autocast_for(cfg.dtype, device)
     caches, next_token = (compiled_step(model, device) if cfg.compile and cfg.kv_cache
                           else (kv_caches(model, cfg.kv_cache), sample_next))
     started = time.perf_counter()
-    with sdpa_kernel(WITHOUT_CUDNN):  # as print_samples samples
-        generate(model, tokenizer.encode_ordinary(cfg.prompt), GENERATE_WARMUP_TOKENS, caches,
-                 cfg.num_samples, cfg.temperature, cfg.top_k, cfg.seed, autocast, next_token)
+    generate(model, tokenizer.encode_ordinary(cfg.prompt), GENERATE_WARMUP_TOKENS, caches,
+             cfg.num_samples, cfg.temperature, cfg.top_k, cfg.seed, autocast, next_token)
     warm_up_s, started = time.perf_counter() - started, time.perf_counter()
     texts = print_samples(model, tokenizer, cfg, autocast, caches, next_token)
     timed_s, tokens = time.perf_counter() - started, cfg.num_samples * cfg.max_new_tokens
@@ -1746,21 +1846,23 @@ COMPILED_STEPS = weakref.WeakKeyDictionary()  # (caches, next_token) a model
 
 def evaluate_only(cfg, launch, device):
     """Val loss and HellaSwag accuracy (if its file can be had)."""
+    run = CheckedRun(cfg, launch)
+
     def read():
-        _, val_tokens = open_token_streams(cfg, with_val=True)
-        model = build_model(cfg, *initial_weights(cfg), device)
+        streams = run.token_streams()
+        check_token_counts(streams, cfg, with_val=True)
+        val_tokens = streams[1]
+        model = build_model(cfg, *run.initial_weights(), device)
         try:
-            return val_tokens, model, open_hellaswag(cfg, launch, model.config.block_size), None
+            return val_tokens, model, run.hellaswag(), None
         except DownloadError as error:
             return val_tokens, model, None, f"HellaSwag skipped: {error}"
     val_tokens, model, hellaswag, missing = on_every_rank(launch, read)
     missing = next(filter(None, gather(missing, launch)), None)  # all skip it, or none
-    autocast, W = autocast_for(cfg.dtype, device), launch.world_size
-    val_loader = DataLoader(val_tokens, cfg.micro_batch_size, cfg.seq_len, launch.rank, W,
-                            shuffle=False, seed=cfg.seed)
-    result = {"val_loss": estimate_val_loss(model, val_loader, cfg.eval_steps,
-                                            grad_accum_steps(cfg, W), device, autocast, launch)}
-    stop_or_fail_together(False, [val_tokens], launch, device)  # stops on bad tokens
+    autocast, accum_steps = autocast_for(cfg.dtype, device), grad_accum_steps(cfg, launch.world_size)
+    result = {"val_loss": estimate_val_loss(model, validation_loader(val_tokens, cfg, launch),
+                                            cfg.eval_steps, accum_steps, device, autocast, launch)}
+    stop_or_fail_together(False, [val_tokens], launch)  # stops on bad tokens
     if missing is None:
         result.update(evaluate_hellaswag(model, hellaswag, device, autocast, launch))
     if launch.rank == 0:
@@ -1781,7 +1883,7 @@ def export_hf(cfg):
                        "blobfile") from None
     from safetensors import SafetensorError
     from transformers.integrations.tiktoken import convert_tiktoken_to_fast
-    model_config, state = initial_weights(cfg)
+    model_config, state = CheckedRun(cfg).initial_weights()
     # no tokenizer decodes the padding rows; its other defaults are ours: tanh GELU, eps 1e-5, tied
     hf_model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         vocab_size=GPT2_VOCAB_SIZE, n_positions=model_config.block_size, n_embd=model_config.n_embd,

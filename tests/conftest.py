@@ -37,6 +37,13 @@ TINY_ARGS_WITHOUT_SHAPE = [arg for flag, value in zip(TINY_ARGS[::2], TINY_ARGS[
                            if flag not in ("--n_layer", "--n_head", "--n_embd", "--block_size") for arg in (flag, value)]
 
 
+def checked_run(**config):
+    """train_gpt2's hardened Run for TrainConfig(device="cpu", **config): its text_tokens, shard_paths, ..."""
+    import train_gpt2
+
+    return train_gpt2.CheckedRun(train_gpt2.TrainConfig(device="cpu", **config))
+
+
 def pytest_configure(config):
     # `pytest -m "not recipe" tests/test_model.py` after an edit to the model: the invariants alone
     config.addinivalue_line("markers", "recipe: pins GPT-2's published numbers (sizes, init, learning rates)")

@@ -111,7 +111,7 @@ def grad_sync(out):
         # it frees its DDP model when it returns: the reducer holds the process group and, freed after
         # destroy_process_group, would destroy the group itself, which joins gloo's threads while holding the GIL that
         # one of them may be waiting for (PyTorch #56297): this launch once hung so
-        train_gpt2.train(cfg, launch, "cpu", {"requested": False})
+        train_gpt2.train(cfg, train_gpt2.Run(cfg, launch))
     DDP.no_sync = no_sync
     assert len(gradients) == 2, len(gradients)
     if launch.rank == 0:

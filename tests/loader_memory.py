@@ -34,7 +34,8 @@ def main():
         for i in range(4):
             np.save(Path(folder) / f"mem_train_{i:06d}.npy",
                     np.random.default_rng(i).integers(0, 50257, shard_tokens, dtype=np.uint16))
-        stream = train_gpt2.TokenStream([train_gpt2.open_shard(p) for p in train_gpt2.find_shards(folder, "train")])
+        run = train_gpt2.CheckedRun(train_gpt2.TrainConfig(device="cpu", data_dir=folder))
+        stream = train_gpt2.TokenStream([run.open_shard(p) for p in run.shard_paths("train")])
         loader = train_gpt2.DataLoader(stream, B, T, 0, 1, True, 0)
         before = memory_mib()
         started = time.perf_counter()

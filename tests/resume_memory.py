@@ -1,5 +1,5 @@
 """Memory a process holds once it has read a checkpoint of the GPT-2 124M shape (weights and AdamW's moments, 1.5 GB)
-with load_checkpoint, as every process does on --resume: a figure for the README, not a test.
+with read_checkpoint, as every process does on --resume: a figure for the README, not a test.
 
     python3 tests/resume_memory.py DIR
 
@@ -39,7 +39,7 @@ def resident_gib() -> dict[str, float]:
 
 def read_back(path: str) -> None:
     before = resident_gib()
-    checkpoint = train_gpt2.load_checkpoint(path)
+    checkpoint = train_gpt2.read_checkpoint(path)
     tensors = [*checkpoint["model"].values()] + [
         value for state in checkpoint["optimizer"][0]["state"].values() for value in state.values()]
     total = sum(float(tensor.sum()) for tensor in tensors)

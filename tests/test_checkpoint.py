@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import train_gpt2 as t
-from conftest import ROOT, SHAKESPEARE, TINY_ARGS, named, run_script
+from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, named, run_script
 from resume_memory import resident_gib
 from test_ddp import ENTRY, ONE_THREAD, assert_every_rank_stopped_with_one_line, torchrun
 
@@ -61,7 +61,7 @@ def test_a_checkpoint_the_disk_cannot_take_stops_with_one_line_and_the_run_resum
     assert one_line_error(failed) == no_room(log_dir / "ckpt_6.pt")
     # no partial file: the older checkpoint is whole
     assert sorted(p.name for p in log_dir.iterdir()) == ["ckpt_3.pt", "ckpt_3.pt.sha256", "metrics.jsonl"]
-    assert t.load_checkpoint(str(log_dir / "ckpt_3.pt"))["step"] == 3
+    assert t.read_checkpoint(str(log_dir / "ckpt_3.pt"))["step"] == 3
     assert run_script(args + ["--resume", "auto"], env=ONE_THREAD).returncode == 0
     straight = run_script(EIGHT_STEPS + ["--log_dir", str(tmp_path / "straight")], env=ONE_THREAD)
     assert straight.returncode == 0, straight.stderr
@@ -234,7 +234,7 @@ def test_resuming_on_other_training_data_says_the_data_position_no_longer_matche
     run(["--resume", "auto", "--stop_after_steps", "2"], tmp_path)  # the same data: no warning
     assert "warning" not in capsys.readouterr().out
     run(["--resume", "auto", "--text_file", str(shorter)], tmp_path)
-    train_tokens = len(t.read_text_tokens(str(shorter))) * 9 // 10
+    train_tokens = len(checked_run().text_tokens(str(shorter))) * 9 // 10
     assert (f"warning: the training data holds {train_tokens:,} tokens, the checkpoint's held 304,222: its data "
             "position points at other tokens now; resume with the checkpoint's data to go on exactly") in \
         capsys.readouterr().out.splitlines()
@@ -282,12 +282,12 @@ def test_a_checkpoint_is_mapped_not_copied_and_writes_to_it_stay_in_the_process(
     checkpoint = {key: {} for key in t.CHECKPOINT_KEYS}
     t.save_checkpoint(path, {**checkpoint, "model": {"weights": torch.ones(2**25)}}, keep=0)  # 128 MiB of float32
     before = resident_gib()["RssAnon"]
-    weights = t.load_checkpoint(path)["model"]["weights"]
+    weights = t.read_checkpoint(path)["model"]["weights"]
     assert weights.sum().item() == 2**25  # every page read
     assert (resident_gib()["RssAnon"] - before) * 1024 < 16  # MiB; read into private memory, it grew by 128 MiB
     weights.add_(1)
     assert t.file_sha256(path) == Path(f"{path}.sha256").read_text().strip()
-    assert t.load_checkpoint(path)["model"]["weights"].sum().item() == 2**25
+    assert t.read_checkpoint(path)["model"]["weights"].sum().item() == 2**25
 
 
 def test_corrupt_checkpoint_is_caught_by_its_checksum(two_checkpoints):
@@ -355,7 +355,7 @@ def test_a_signal_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path, sign
                               "--resume auto")
     assert [p.name for p in tmp_path.glob("ckpt_*.pt")] == [f"ckpt_{stopped_after + 1}.pt"]
     # whole (its checksum matches) and at that step; resuming from such a checkpoint: the tests above
-    assert t.load_checkpoint(str(tmp_path / f"ckpt_{stopped_after + 1}.pt"))["step"] == stopped_after + 1
+    assert t.read_checkpoint(str(tmp_path / f"ckpt_{stopped_after + 1}.pt"))["step"] == stopped_after + 1
 
 
 @pytest.mark.parametrize("ckpt_every", [2, 0])
@@ -511,7 +511,7 @@ def test_resume_checks_a_model_field_a_hacker_adds_and_names_a_changed_flag_adde
     monkeypatch.setattr(t, "GPTConfig", config_with(2))
     assert t.parse_args(["--lr_floor", "1e-5"]).lr_floor == 1e-5
     run(["--max_steps", "4", "--warmup_steps", "1"], tmp_path)
-    assert t.load_checkpoint(str(tmp_path / "ckpt_4.pt"))["model_config"]["n_kv_head"] == 2
+    assert t.read_checkpoint(str(tmp_path / "ckpt_4.pt"))["model_config"]["n_kv_head"] == 2
     capsys.readouterr()
     resumed = run(["--warmup_steps", "1", "--resume", "auto", "--weight_decay", "0", "--lr_floor", "1e-5",
                    "--dropout", "0.1"], tmp_path)  # dropout: this run's own

@@ -277,7 +277,7 @@ def test_a_plain_run_on_a_gpu_machine_starts_on_cuda_0(flags, monkeypatch, tmp_p
     selected, started = [], []
     report_card("h100", monkeypatch.setattr)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: selected.append(_get_device_index(device)))
-    monkeypatch.setattr(t, "train", lambda cfg, launch, device, stop_signal, notes: started.append(device) or "trained")
+    monkeypatch.setattr(t, "train", lambda cfg, run: started.append(run.cfg.device) or "trained")
     assert t.main(t.parse_args(flags + ["--log_dir", str(tmp_path)])) == "trained"
     assert selected == [0] and started == ["cuda:0"]
     with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):

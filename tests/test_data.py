@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import train_gpt2 as t
-from conftest import SHAKESPEARE, TINY_ARGS
+from conftest import checked_run, SHAKESPEARE, TINY_ARGS
 
 
 def arange_stream(n, pieces=1):
@@ -107,14 +107,13 @@ def test_the_stored_position_resumes_the_same_windows_at_another_world_size():
         assert step_windows(three_ranks, 2) == sorted(starts(uninterrupted, 1))
 
 
-def test_data_with_fewer_windows_than_a_step_is_refused(monkeypatch):
+def test_data_with_fewer_windows_than_a_step_is_refused():
     """B*T+1 tokens make B windows of T + 1: 16 tokens are 3 windows of 4 + 1, one short of a step of 4."""
     assert [loader(arange_stream(n)).num_windows for n in (16, 17, 0)] == [3, 4, 0]  # an empty file: not -1 windows
     cfg = t.parse_args(["--seq_len", "4", "--micro_batch_size", "2", "--total_batch_size", "16"])
-    monkeypatch.setattr(t, "load_token_streams", lambda cfg: (arange_stream(16), arange_stream(17)))
     with pytest.raises(t.RunError, match=r"^the training data holds 16 tokens, 3 windows of 4 \+ 1, but one step "
                                             r"of --total_batch_size 16 tokens needs 4: train on more data"):
-        t.open_token_streams(cfg, with_val=False)
+        t.check_token_counts((arange_stream(16), arange_stream(17)), cfg, with_val=True)
 
 
 @pytest.mark.parametrize("content, reason", [(b"caf\xe9 in Latin-1", "not UTF-8: invalid continuation byte at byte 3"),
@@ -126,7 +125,7 @@ def test_a_text_file_that_cannot_be_read_is_one_line(tmp_path, content, reason):
     else:
         path.write_bytes(content)
     with pytest.raises(t.RunError) as raised:
-        t.read_text_tokens(str(path))
+        checked_run().text_tokens(str(path))
     assert str(raised.value) == f"cannot read --text_file {path} ({reason}): give a UTF-8 text file"
 
 
@@ -139,7 +138,7 @@ def test_read_spans_array_boundaries():
 
 def test_tiny_shakespeare_splits_90_10_by_tokens():
     cfg = t.parse_args(["--text_file", str(SHAKESPEARE)])
-    train, val = t.load_token_streams(cfg)
+    train, val = t.CheckedRun(cfg).token_streams()
     assert (train.num_tokens, val.num_tokens) == (304_222, 33_803)
     first = train.read(0, 4).tolist()
     assert first == t.gpt2_tokenizer().encode_ordinary("First Citizen:\n")[:4]
@@ -156,7 +155,7 @@ def write_shards(folder, sizes_by_split):
 
 def test_shards_are_memory_mapped_and_read_as_one_stream(tmp_path):
     write_shards(tmp_path, {"val": [50], "train": [30, 30, 40]})
-    train, val = t.load_token_streams(t.parse_args(["--data_dir", str(tmp_path)]))
+    train, val = checked_run(data_dir=str(tmp_path)).token_streams()
     assert all(isinstance(a, np.memmap) for a in train.arrays + val.arrays)  # nothing loaded whole
     assert (train.num_tokens, val.num_tokens) == (100, 50)
     data = loader(train, B=2, T=8)
@@ -170,13 +169,13 @@ def test_shard_of_the_wrong_dtype_is_named(tmp_path):
     write_shards(tmp_path, {"val": [50], "train": [30]})
     np.save(tmp_path / "tiny_train_000001.npy", np.arange(30, dtype=np.int32))
     with pytest.raises(t.RunError, match=r"shard .*tiny_train_000001.npy holds int32 of shape \(30,\), not a 1-D uint16"):
-        t.load_token_streams(t.parse_args(["--data_dir", str(tmp_path)]))
+        checked_run(data_dir=str(tmp_path)).token_streams()
 
 
 def test_a_last_shard_of_one_token_is_read(tmp_path):
     """fineweb.py writes the rest of the stream as the last shard: 1,026 tokens in shards of 1,025 leave one."""
     write_shards(tmp_path, {"val": [50], "train": [30, 1]})
-    train, _ = t.load_token_streams(t.parse_args(["--data_dir", str(tmp_path)]))
+    train, _ = checked_run(data_dir=str(tmp_path)).token_streams()
     assert train.num_tokens == 31 and train.read(25, 6).tolist() == list(range(25, 31))
 
 
@@ -184,7 +183,7 @@ def test_unreadable_shard_is_named(tmp_path):
     write_shards(tmp_path, {"val": [50], "train": [30]})
     (tmp_path / "tiny_train_000001.npy").write_bytes(b"not a numpy file")
     with pytest.raises(t.RunError, match=r"cannot read shard .*tiny_train_000001.npy"):
-        t.load_token_streams(t.parse_args(["--data_dir", str(tmp_path)]))
+        checked_run(data_dir=str(tmp_path)).token_streams()
 
 
 @pytest.mark.parametrize("content", [b"", b"\x93NUMP", b"not a numpy file at all"])  # 0 bytes, 5, no magic
@@ -193,7 +192,7 @@ def test_a_shard_that_is_no_npy_file_is_named_without_blaming_pickles(tmp_path, 
     write_shards(tmp_path, {"val": [50], "train": [30]})
     (tmp_path / "tiny_train_000000.npy").write_bytes(content)
     with pytest.raises(t.RunError) as raised:
-        t.load_token_streams(t.parse_args(["--data_dir", str(tmp_path)]))
+        checked_run(data_dir=str(tmp_path)).token_streams()
     assert str(raised.value) == (f"cannot read shard {tmp_path / 'tiny_train_000000.npy'}: it is not a .npy file "
                                  "(empty, cut short or another format): delete it and rerun fineweb.py")
 

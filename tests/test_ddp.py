@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train_gpt2
-from conftest import ROOT, SHAKESPEARE, TINY_ARGS, run_python
+from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, run_python
 
 ENTRY = "tests/ddp_entry.py"
 # Thread count changes float results; torchrun sets 1 thread for several processes, so pin it everywhere.
@@ -195,7 +195,7 @@ def test_ranks_that_read_different_data_are_refused_with_one_line(tmp_path):
         (folder / "input.txt").write_text(copy)
     flags = TINY_ARGS[: TINY_ARGS.index("--text_file")] + ["--text_file", "input.txt", "--eval_every", "5"]
     result = torchrun(2, [ENTRY, "own_folders", str(tmp_path)] + flags + ["--log_dir", str(tmp_path / "log")])
-    tokens = [len(train_gpt2.read_text_tokens(str(folder / "input.txt"))) for folder in folders]
+    tokens = [len(checked_run().text_tokens(str(folder / "input.txt"))) for folder in folders]
     found = [(n * 9 // 10, n - n * 9 // 10, None) for n in tokens]
     assert found[0] != found[1]
     assert_every_rank_stopped_with_one_line(result, "error: the ranks found different data or checkpoints ((train "

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt2 as t
-from conftest import ROOT, SHAKESPEARE, TINY_ARGS, run_python, run_script
+from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, run_python, run_script
 from test_ddp import ONE_THREAD, torchrun
 
 TOKENIZER = t.gpt2_tokenizer()
@@ -390,7 +390,7 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer_and_data(one
              "--max_lr", "3e-5", "--eval_every", "0", "--sample_every", "0", "--device", "cpu",
              "--log_dir", str(tmp_path / "tune")]
     cfg = t.parse_args(flags)
-    tokens = torch.from_numpy(t.read_text_tokens(cfg.text_file)[:257].astype("int64"))
+    tokens = torch.from_numpy(checked_run().text_tokens(cfg.text_file)[:257].astype("int64"))
     with torch.no_grad():  # one step: windows 0-7 of 32 tokens (text files are not shuffled)
         logits = source_logits(tokens[:256].view(8, 32))
         expected = F.cross_entropy(logits.flatten(0, 1), tokens[1:].view(-1)).item()

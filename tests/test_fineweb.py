@@ -19,7 +19,7 @@ import pytest
 
 import fineweb
 import train_gpt2
-from conftest import ROOT, TINY_ARGS, run_python
+from conftest import checked_run, ROOT, TINY_ARGS, run_python
 from test_ddp import torchrun
 
 # Words of a made-up corpus: ASCII, accents, CJK, Cyrillic, Arabic, an emoji, tabs, newlines and U+2028
@@ -117,7 +117,7 @@ def test_a_document_longer_than_a_shard_spills_over(tmp_path):
 def test_a_leftover_temporary_file_is_never_read(tmp_path):
     fineweb.write_shards(iter([np.arange(8, dtype=np.uint16)]), str(tmp_path), "x", shard_size=4)
     (tmp_path / "x_train_000002.npy.tmp").write_bytes(b"half a shard")  # as a killed run would leave it
-    assert train_gpt2.find_shards(str(tmp_path), "train") == [str(tmp_path / "x_train_000001.npy")]
+    assert checked_run(data_dir=str(tmp_path)).shard_paths("train") == [str(tmp_path / "x_train_000001.npy")]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x_train_000001.npy", "x_train_000002.npy.tmp",
                                                          "x_val_000000.npy"]
 
@@ -639,14 +639,14 @@ def test_an_interrupted_run_leaves_a_folder_the_trainer_refuses(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [  # 4 of the 4,102 tokens' 5 shards were written
         "INCOMPLETE", "out_train_000001.npy", "out_train_000002.npy", "out_train_000003.npy", "out_val_000000.npy"]
     with pytest.raises(train_gpt2.RunError) as raised:
-        train_gpt2.find_shards(str(tmp_path / "out"), "val")
+        checked_run(data_dir=str(tmp_path / "out")).shard_paths("val")
     assert str(raised.value) == (f"--data_dir {tmp_path / 'out'} is incomplete (fineweb.py's INCOMPLETE file is "
                                  "there): wait for fineweb.py, or rerun it with --resume")
     corpus.write_text('{"text": "' + "word " * 4100 + '"}\n')
     assert run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out"), "--shard_size", "1025",
                         "--overwrite"]).returncode == 0
     assert "INCOMPLETE" not in [p.name for p in (tmp_path / "out").iterdir()]
-    assert len(train_gpt2.find_shards(str(tmp_path / "out"), "train")) == 4  # 4,102 tokens: val + 4 train shards
+    assert len(checked_run(data_dir=str(tmp_path / "out")).shard_paths("train")) == 4  # 4,102 tokens: val + 4 train shards
 
 
 def test_end_to_end_train_on_the_shards_one_and_two_processes(corpus_shards, tmp_path):

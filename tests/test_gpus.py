@@ -38,17 +38,18 @@ def gpu(monkeypatch, tmp_path, capsys):
 
     monkeypatch.setattr(t, "GPT", GPTOnTheCPU)
     seen = {}
-    autocast_for, restore_checkpoint = t.autocast_for, t.restore_checkpoint
+    autocast_for = t.autocast_for
 
     def recorded_autocast_for(dtype, device):  # train's autocast for its steps
         seen.update(autocast=autocast_for(dtype, device))
         return seen["autocast"]
 
-    def recorded_restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, *args):  # train's GradScaler
-        seen.update(scaler=scaler.is_enabled())
-        return restore_checkpoint(checkpoint, cfg, model, optimizers, scaler, *args)
+    start_line, GradScaler = t.CheckedRun.start, torch.amp.GradScaler
 
-    start_line = t.MetricsLog.start
+    def recorded_grad_scaler(*args, **kwargs):  # train's
+        scaler = GradScaler(*args, **kwargs)
+        seen.update(scaler=scaler.is_enabled())
+        return scaler
 
     def first_step(log, *args):  # train's start line, then the first step would begin
         start_line(log, *args)
@@ -57,8 +58,8 @@ def gpu(monkeypatch, tmp_path, capsys):
         raise FirstStep
 
     monkeypatch.setattr(t, "autocast_for", recorded_autocast_for)
-    monkeypatch.setattr(t, "restore_checkpoint", recorded_restore_checkpoint)
-    monkeypatch.setattr(t.MetricsLog, "start", first_step)
+    monkeypatch.setattr(torch.amp, "GradScaler", recorded_grad_scaler)
+    monkeypatch.setattr(t.CheckedRun, "start", first_step)
 
     def run(card, flags=()):
         report_card(card, monkeypatch.setattr)
@@ -116,7 +117,7 @@ def test_1080_runs_float16_without_compile_and_says_why(gpu):
 ])
 def test_what_a_card_cannot_do_is_one_line_before_any_work(monkeypatch, capsys, tmp_path, card, flags, message):
     report_card(card, monkeypatch.setattr)
-    monkeypatch.setattr(t, "read_inputs_and_open_log", None)  # never reached: train() starts with it
+    monkeypatch.setattr(t.CheckedRun, "read_inputs", None)  # never reached: train() starts with it
     with pytest.raises(SystemExit) as exited:
         t.main(t.parse_args(GPU_ARGS + ["--log_dir", str(tmp_path / "log")] + flags))
     assert exited.value.code == 2 and capsys.readouterr() == ("", f"error: {message}\n")
@@ -138,7 +139,7 @@ def test_a_machine_without_a_c_compiler_trains_without_compile(gpu, monkeypatch,
     assert lines[0] == ("compile off: Triton builds with a C compiler and cannot run gcc or clang: install gcc (on "
                         "an H100 compile trains 1.54x faster: 489k against 317k tokens/s)")
     assert "(bfloat16, compile off, MFU against 989 TFLOP/s)" in lines[1]
-    monkeypatch.setattr(t, "read_inputs_and_open_log", None)
+    monkeypatch.setattr(t.CheckedRun, "read_inputs", None)
     with pytest.raises(SystemExit):
         t.main(t.parse_args(GPU_ARGS + ["--compile", "--log_dir", str(tmp_path / "compile")]))
     assert capsys.readouterr().err == ("error: --compile cannot run on NVIDIA H100 80GB HBM3: Triton builds with a C "

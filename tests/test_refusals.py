@@ -216,7 +216,7 @@ def test_a_model_field_a_hacker_adds_is_the_checkpoints_and_a_differing_flag_is_
         t.main(t.parse_args(TINY_ARGS + ["--max_steps", "4", "--resume", "auto", "--window", "4"] + log))
     monkeypatch.undo()  # the code without the field, a checkpoint with it
     with pytest.raises(t.RunError) as refused:
-        t.initial_weights(t.parse_args(TINY_ARGS_WITHOUT_SHAPE + ["--init_from", ckpt]))
+        t.CheckedRun(t.parse_args(TINY_ARGS_WITHOUT_SHAPE + ["--init_from", ckpt])).initial_weights()
     assert str(refused.value) == (f"{ckpt} holds model field(s) window that GPTConfig lacks: add them to GPTConfig, "
                                   "or use the code that wrote it")
 

@@ -1,4 +1,5 @@
 import contextlib
+import dataclasses
 import json
 import math
 
@@ -7,7 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_gpt2 as t
-from conftest import TINY_ARGS
+from conftest import checked_run, TINY_ARGS
 
 
 def run(args, tmp_path, name="log"):
@@ -76,7 +77,7 @@ def test_no_validation_data_needed_without_evaluation(tmp_path):
 def test_epoch_rollover_is_logged_and_training_goes_on(tmp_path, capsys):
     text = tmp_path / "short.txt"
     text.write_text("To be, or not to be, that is the question. " * 40)
-    train_tokens = int(0.9 * len(t.read_text_tokens(str(text))))
+    train_tokens = int(0.9 * len(checked_run().text_tokens(str(text))))
     windows = (train_tokens - 1) // 32
     assert windows == 14  # 8 windows a step: epoch 1 begins during step 1, epoch 2 during step 3
     result = run(["--max_steps", "5", "--text_file", str(text)], tmp_path)
@@ -89,7 +90,7 @@ def test_val_loss_is_the_mean_over_the_first_eval_batches(tmp_path):
     result = run(["--max_steps", "3", "--eval_every", "3", "--eval_steps", "2"], tmp_path)
     logged = [r["val_loss"] for r in result.records if "val_loss" in r]
     cfg = t.parse_args(TINY_ARGS)
-    _, val = t.load_token_streams(cfg)
+    _, val = t.CheckedRun(cfg).token_streams()
     # 2 steps of 256 tokens: windows 0-3 of 4 x 32 tokens each, from the first validation token
     windows = [torch.from_numpy(val.read(i * 128, 129)) for i in range(4)]
     with torch.no_grad():
@@ -169,13 +170,12 @@ def test_cuda_summary_has_mfu_and_both_memory_peaks(monkeypatch, tmp_path, capsy
     """The CUDA branch of the summary, with the CUDA memory counters stubbed: 124M's figures at 1,100 ms a step."""
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 25 * 2**30)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 27.5 * 2**30)
-    cfg = t.parse_args(["--peak_tflops", "989"])  # an H100's
-    flops_per_step = 860e6 * 524_288
-    log = t.MetricsLog(str(tmp_path), active=True)
-    log.begin(None)
-    # what start() and train_step() would have kept: the steps' times, the FLOPs of a step, the processes
-    log.step_ms, log.flops_per_step, log.world_size = [5000.0, 3000.0, 2000.0, 1100.0, 1000.0, 1200.0], flops_per_step, 1
-    log.summary(0, cfg, "cuda")
+    log = t.CheckedRun(t.parse_args(["--peak_tflops", "989", "--device", "cpu", "--log_dir", str(tmp_path)]))
+    log.open_log(None)
+    log.cfg = dataclasses.replace(log.cfg, device="cuda:0")  # an H100's peak above
+    # what start() and log_step() would have kept: the steps' times, the FLOPs of a step
+    log.step_ms, log.flops_per_step = [5000.0, 3000.0, 2000.0, 1100.0, 1000.0, 1200.0], 860e6 * 524_288
+    log.summary()
     assert log.records == [{"summary": {"timed_steps": 3, "median_ms": 1100.0, "median_tokens_per_s": 524_288 / 1.1,
                                         "peak_memory_gib": 25.0, "peak_reserved_gib": 27.5,
                                         "mfu": pytest.approx(860e6 * 524_288 / 1.1 / 989e12)}}]
@@ -212,16 +212,14 @@ def test_a_diverging_run_stops_with_one_line_and_saves_nothing_from_that_step(tm
     assert [r["step"] for r in records] == [0, 1] and math.isnan(records[1]["train_loss"])  # no summary
 
 
-def test_an_infinite_gradient_norm_stops_training_unless_float16_loss_scaling_skips_that_step(tmp_path):
+def test_a_diverged_step_with_no_checkpoint_says_start_again_and_the_recipe_raises_floating_point_error(tmp_path):
     # a finite loss with an infinite norm: clipping has zeroed (or NaN-ed) the gradients of this step
     with pytest.raises(t.RunError) as stopped:
-        t.check_step_finite(7, 3.6e9, float("inf"), loss_scaling=False, log_dir=str(tmp_path))
+        t.CheckedRun(t.parse_args(TINY_ARGS + ["--log_dir", str(tmp_path)])).diverged(7, 3.6e9, float("inf"))
     assert str(stopped.value) == ("training diverged at step 7: loss 3.6e+09, gradient norm inf; nothing was saved "
                                   "from this step: start again with a lower --max_lr or more --warmup_steps")
-    assert t.check_step_finite(7, 3.6, float("inf"), loss_scaling=True, log_dir=str(tmp_path)) is None
-    assert t.check_step_finite(7, 3.6, 1.5, loss_scaling=False, log_dir=str(tmp_path)) is None
-    with pytest.raises(t.RunError, match="at step 7: loss nan, gradient norm nan"):
-        t.check_step_finite(7, float("nan"), float("nan"), loss_scaling=True, log_dir=str(tmp_path))
+    with pytest.raises(FloatingPointError, match="^training diverged at step 7: loss nan, gradient norm nan$"):
+        t.Run(t.parse_args(TINY_ARGS)).diverged(7, float("nan"), float("nan"))
 
 
 class HostWaits(TorchDispatchMode):
@@ -331,7 +329,7 @@ def broken(*args, **kwargs):
 
 
 @pytest.mark.parametrize("path, flags, breaks", [
-    ("validation", ["--eval_every", "10"], ("GPT", "forward")),  # the loss in eval mode
+    ("validation", ["--eval_every", "10"], ("GPT", "cross_entropy")),  # the loss in eval mode
     ("HellaSwag", ["--hellaswag_every", "10"], ("GPT", "logits")),  # training never calls logits without a loss
     ("the cached one-token step", ["--sample_every", "10"], ("KVCache", "update")),
 ])
@@ -343,8 +341,8 @@ def test_a_broken_edit_on_a_later_path_stops_a_fresh_run_before_step_0(tmp_path,
 
     flags += ["--hellaswag_path", str(write_hellaswag(tmp_path / "hs.jsonl", 3))]
     method = getattr(getattr(t, breaks[0]), breaks[1])
-    if breaks == ("GPT", "forward"):  # broken in evaluation only: training's own losses still work
-        monkeypatch.setattr(t.GPT, "forward", lambda self, *a: broken() if not self.training else method(self, *a))
+    if breaks == ("GPT", "cross_entropy"):  # broken in evaluation only: training's own losses still work
+        monkeypatch.setattr(t.GPT, "cross_entropy", lambda self, *a: broken() if not self.training else method(self, *a))
     elif breaks == ("GPT", "logits"):
         monkeypatch.setattr(t.GPT, "logits", lambda self, x: broken() if x.dim() == 2 else method(self, x))
     else:
@@ -359,7 +357,7 @@ def test_a_fresh_run_logs_the_val_loss_before_step_0_and_a_resumed_one_does_not(
     """The curve's first point: the untrained model's loss on the validation windows, logged at step -1."""
     first = run(["--max_steps", "2", "--eval_every", "2", "--eval_steps", "1"], tmp_path)
     cfg = t.parse_args(TINY_ARGS + ["--eval_steps", "1"])
-    untrained, (_, val_tokens) = t.build_model(cfg, *t.initial_weights(cfg), "cpu"), t.open_token_streams(cfg, with_val=True)
+    untrained, (_, val_tokens) = t.build_model(cfg, *t.CheckedRun(cfg).initial_weights(), "cpu"), t.CheckedRun(cfg).token_streams()
     val_loader = t.DataLoader(val_tokens, cfg.micro_batch_size, cfg.seq_len, 0, 1, shuffle=False, seed=cfg.seed)
     expected = t.estimate_val_loss(untrained, val_loader, 1, t.grad_accum_steps(cfg, 1), "cpu",
                                    contextlib.nullcontext, t.Launch())

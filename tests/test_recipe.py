@@ -1,0 +1,109 @@
+"""The recipe alone (issue 60): train_gpt2.py cut at its "# ====" banner trains, evaluates, samples,
+checkpoints and resumes, on one process and under torchrun, with the full script's numbers; and the
+one cross-entropy keeps validation's memory down with --loss_chunk_size."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from conftest import ROOT, SHAKESPEARE, TINY_ARGS, run_script
+
+# TINY_ARGS as TrainConfig's keywords, with evaluation, HellaSwag, samples and checkpoints on
+TINY = {flag[2:]: value for flag, value in zip(TINY_ARGS[::2], TINY_ARGS[1::2], strict=True)}
+TINY = {**{k: (v if k in ("device", "text_file") else float(v) if "." in v or "e-" in v else int(v))
+           for k, v in TINY.items()},
+        "max_steps": 6, "eval_every": 2, "eval_steps": 2, "sample_every": 6, "num_samples": 1,
+        "max_new_tokens": 4, "hellaswag_every": 3, "ckpt_every": 2}
+DRIVER = """import json, os, sys
+import recipe
+recipe.train(recipe.TrainConfig(**json.loads(sys.argv[1])))
+"""
+# the lines that carry numbers the run computed: a step's loss, lr and norm, an evaluation's scores
+NUMBERS = re.compile(r"^step +-?\d+/\d+ \| (loss \S+ \| lr \S+ \| norm \S+|val loss \S+$|HellaSwag .*$)")
+
+
+def hellaswag_file(tmp_path):
+    path = tmp_path / "hellaswag.jsonl"
+    path.write_text("".join(json.dumps({"ctx": f"A man opens the door {i} and", "label": i % 4,
+                                        "endings": ["walks in.", "sings loudly.", "eats it.", "sits."]}) + "\n"
+                            for i in range(6)))
+    return str(path)
+
+
+def recipe_folder(tmp_path):
+    """recipe.py: the lines of train_gpt2.py above its banner, as a learner would copy them."""
+    source = (ROOT / "train_gpt2.py").read_text().splitlines(keepends=True)
+    banner = next(i for i, line in enumerate(source) if line.startswith("# ===="))
+    folder = tmp_path / "recipe"
+    folder.mkdir()
+    (folder / "recipe.py").write_text("".join(source[:banner]))
+    (folder / "driver.py").write_text(DRIVER)
+    return folder
+
+
+def numbers(output):
+    return [match.group(0) for line in output.splitlines() if (match := NUMBERS.search(line))]
+
+
+def run_recipe(folder, config, processes=1):
+    command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+               if processes > 1 else [sys.executable])
+    result = subprocess.run(command + ["driver.py", json.dumps(config)], cwd=folder, capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def as_flags(config):
+    return [arg for key, value in config.items() for arg in (f"--{key}", str(value))]
+
+
+def test_the_recipe_alone_trains_evaluates_samples_and_resumes_with_the_full_scripts_numbers(tmp_path):
+    folder, hellaswag = recipe_folder(tmp_path), hellaswag_file(tmp_path)
+    config = {**TINY, "hellaswag_path": hellaswag, "log_dir": str(tmp_path / "alone")}
+    alone = run_recipe(folder, config)
+    full = run_script(as_flags({**config, "log_dir": str(tmp_path / "full")}), env={"OMP_NUM_THREADS": "1"})
+    assert full.returncode == 0, full.stderr[-3000:]
+    assert len(numbers(alone)) == 1 + 6 + 3 + 2  # val loss at -1, 6 steps, 3 val losses, 2 HellaSwag
+    assert numbers(alone) == numbers(full.stdout)
+    assert "sample 0: Hello, I'm a language model," in alone
+    assert sorted(p.name for p in (tmp_path / "alone").iterdir()) == ["ckpt_2.pt", "ckpt_4.pt", "ckpt_6.pt"]
+
+    # stopped after 3 steps by --stop_after_steps, then resumed from its checkpoint: the same numbers
+    first = run_recipe(folder, {**config, "log_dir": str(tmp_path / "parts"), "stop_after_steps": 3})
+    assert "stopped by --stop_after_steps 3 after step 2, checkpoint" in first
+    rest = run_recipe(folder, {**config, "log_dir": str(tmp_path / "parts"), "resume": str(tmp_path / "parts" / "ckpt_3.pt")})
+    assert "resumed from step 3" in rest
+    assert numbers(first) + numbers(rest) == numbers(alone)
+
+
+def test_the_recipe_alone_under_torchrun_on_2_processes_gives_the_losses_of_1(tmp_path):
+    folder = recipe_folder(tmp_path)
+    config = {**TINY, "hellaswag_every": 0, "sample_every": 0, "log_dir": str(tmp_path / "one")}
+    one = run_recipe(folder, config)
+    two = run_recipe(folder, {**config, "log_dir": str(tmp_path / "two")}, processes=2)
+    assert len(numbers(one)) == 1 + 6 + 3 and numbers(two) == numbers(one)
+
+
+def peak_memory_gib(tmp_path, *flags):
+    """--eval_only at 8 x 1024 tokens on a tiny model, whose 50,304 logits a token dominate: (val loss, peak RSS)."""
+    code = ("import resource, sys, train_gpt2 as t; t.main(t.parse_args(sys.argv[1:])); "
+            "print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)")
+    result = subprocess.run([sys.executable, "-c", code, "--n_layer", "1", "--n_head", "2", "--n_embd", "32",
+                             "--block_size", "1024", "--seq_len", "1024", "--micro_batch_size", "8",
+                             "--total_batch_size", "8192", "--eval_steps", "1", "--eval_only", "--device", "cpu",
+                             "--text_file", str(SHAKESPEARE), "--hellaswag_path", hellaswag_file(tmp_path),
+                             *flags], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    val_loss = float(re.search(r"val loss (\S+)", result.stdout).group(1))
+    return val_loss, float(result.stdout.split("peak ")[1])
+
+
+def test_validation_with_loss_chunk_size_never_holds_the_whole_logits(tmp_path):
+    """The float32 logits of 8 x 1024 tokens are 1.6 GiB, their log-softmax as much again: chunked, neither is made."""
+    plain_loss, plain_peak = peak_memory_gib(tmp_path)
+    chunked_loss, chunked_peak = peak_memory_gib(tmp_path, "--loss_chunk_size", "1024")
+    assert abs(chunked_loss - plain_loss) < 1e-4
+    assert plain_peak > 3.0 and chunked_peak < plain_peak - 2.5, (plain_peak, chunked_peak)
