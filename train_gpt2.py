@@ -373,7 +373,7 @@ def flag(default, help: str, section: str, choices=None):  # a --flag, in --help
 @dataclass
 class TrainConfig:
     """Every --flag. Defaults: GPT-2 124M as build-nanogpt trains it (--data_dir: FineWeb-Edu)."""
-    model: str = flag("gpt2", "GPT-2 shape: sets the 3 below", "model", list(MODEL_SHAPES))
+    model: str = flag("gpt2", "gpt2, gpt2-medium, -large or -xl shape", "model", list(MODEL_SHAPES))
     n_layer: int = flag(12, "transformer blocks", "model")
     n_head: int = flag(12, "attention heads", "model")
     n_embd: int = flag(768, "model width", "model")
@@ -411,7 +411,7 @@ class TrainConfig:
     tensorboard: bool = flag(False, "also write the figures for TensorBoard", "logging")
     # the machinery's flags: where the help says "the machine picks", device_settings() does
     device: str = flag("auto", "auto (the machine picks), cpu, cuda, cuda:N or mps", "runtime")
-    dtype: str = flag("auto", "autocast dtype (auto: the machine picks)", "runtime",
+    dtype: str = flag("auto", "auto (the machine picks), float32, bfloat16 or float16", "runtime",
                       choices=["auto", "float32", "bfloat16", "float16"])
     compile: bool | None = flag(None, "torch.compile (default: the machine picks)", "runtime")
     loss_chunk_size: int = flag(0, "loss N tokens at a time (less memory); 0: off", "runtime")
@@ -935,20 +935,18 @@ def parse_args(argv: list[str]) -> TrainConfig:
     """A --flag per TrainConfig field; --model and --init_from fill in flags not given."""
     parser = _OneLineErrorParser(
         description="Pretrain GPT-2 (defaults: the 124M recipe on GPUs).", usage="%(prog)s [flags]",
-        formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=32))
+        formatter_class=lambda prog: _OneLineHelp(prog, max_help_position=32))
     sections = dict.fromkeys(f.metadata["section"] for f in dataclasses.fields(TrainConfig))
     groups = {section: parser.add_argument_group(section) for section in sections}  # --help's
     for f in dataclasses.fields(TrainConfig):
-        group = groups[f.metadata["section"]]
         help_text = f.metadata["help"]  # with the default, unless it says it
         help_text += "" if "(default" in help_text else f" (default: {f.default})"
         value_type = (typing.get_args(f.type) or [f.type])[0]  # bool | None: bool
         options = {"action": argparse.BooleanOptionalAction} if value_type is bool else {
-            "type": value_type, "choices": f.metadata["choices"],
-            "metavar": None if f.metadata["choices"] else value_type.__name__}
+            "type": value_type, "choices": f.metadata["choices"], "metavar": value_type.__name__}
         for name in dict.fromkeys([f.name, f.name.replace("_", "-")]):  # --max-steps, unlisted
-            group.add_argument(f"--{name}", dest=f.name, default=argparse.SUPPRESS, help=(
-                help_text if name == f.name else argparse.SUPPRESS), **options)
+            groups[f.metadata["section"]].add_argument(f"--{name}", dest=f.name, **options,
+                default=argparse.SUPPRESS, help=help_text if name == f.name else argparse.SUPPRESS)
     given = vars(parser.parse_args(argv))  # only the flags on the command line
     cfg = TrainConfig(**{**MODEL_SHAPES[given.get("model", "gpt2")], **given})
     model_config, run_config = init_from_settings(cfg.init_from)
@@ -978,10 +976,17 @@ def init_from_settings(init_from) -> tuple[dict, dict]:
 class _OneLineErrorParser(argparse.ArgumentParser):
     def error(self, message):  # not argparse's usage and exit
         typos = re.findall(r"(--[\w-]+)", message) if message.startswith("unrecognized") else []
-        close = [difflib.get_close_matches(typo, self._option_string_actions, 1) for typo in typos]
-        if any(close):
-            message += f": did you mean {' or '.join(match[0] for match in close if match)}?"
+        flags = self._option_string_actions  # the shortest with it as a word (--steps: --max_steps)
+        close = [min([f for f in flags if f"_{typo[2:]}" in f"_{f[2:]}"] or  # else the nearest
+                     difflib.get_close_matches(typo, flags, 1) or [""], key=len) for typo in typos]
+        message += f": did you mean {' or '.join(filter(None, close))}?" if any(close) else ""
         raise RunError(f"{message} (see --help)")
+
+
+class _OneLineHelp(argparse.HelpFormatter):  # each flag and its help on one line at 100 columns
+    def _format_action_invocation(self, action):  # --[no-]shuffle, not --shuffle, --no-shuffle
+        boolean = isinstance(action, argparse.BooleanOptionalAction)
+        return f"--[no-]{action.dest}" if boolean else super()._format_action_invocation(action)
 
 
 def check_config(cfg, world_size):
@@ -1262,8 +1267,9 @@ class CheckedRun(Run):
     def shard_paths(self, split):
         data_dir = self.cfg.data_dir
         if not os.path.isdir(data_dir):
-            raise RunError(f"--data_dir {data_dir} is not a folder: run fineweb.py to make shards, "
-                           "or fix the path")
+            raise RunError(f"--data_dir {data_dir} is not a folder: " + (
+                f"for a text file, use --text_file {data_dir}" if os.path.isfile(data_dir) else
+                "run fineweb.py to make shards, or fix the path"))
         if os.path.exists(os.path.join(data_dir, "INCOMPLETE")):  # fineweb.py's, until done
             raise RunError(f"--data_dir {data_dir} is incomplete (fineweb.py's INCOMPLETE file is "
                            "there): wait for fineweb.py, or rerun it with --resume")
@@ -1904,6 +1910,8 @@ def export_hf(cfg):
             if "I/O error: " not in str(error):
                 raise
             raise OSError(str(error).partition("I/O error: ")[2]) from None
+        for path in glob.glob(os.path.join(folder, "*.safetensors")):  # a tempfile's 0600, not
+            shutil.copymode(os.path.join(folder, "config.json"), path)  # the umask's as the rest
         convert_tiktoken_to_fast(gpt2_tokenizer(), folder)
         check_export(transformers.GPT2LMHeadModel.from_pretrained(folder), model_config, state)
     write_atomically(cfg.export_hf, write, then="run the same command again")

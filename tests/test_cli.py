@@ -1,6 +1,7 @@
 """Each user mistake: exit status 2, one line on stderr naming the problem and the fix, nothing else."""
 
 import dataclasses
+import re
 import typing
 
 import numpy as np
@@ -8,7 +9,9 @@ import pytest
 import torch
 
 import train_gpt2 as t
-from conftest import TINY_ARGS, TINY_ARGS_WITHOUT_SHAPE, report_card, run_python, run_script
+from conftest import ROOT, TINY_ARGS, TINY_ARGS_WITHOUT_SHAPE, report_card, run_python, run_script
+
+README = ROOT / "README.md"
 
 
 def one_line_error(result):
@@ -156,7 +159,7 @@ def test_help_explains_every_flag_under_its_section_within_the_terminal():
         if line.rstrip(":") in sections:
             found.append(line.rstrip(":"))
         elif line.startswith("  --"):
-            flags.append((found[-1], line.split()[0].rstrip(",")))
+            flags.append((found[-1], line.split()[0].rstrip(",").replace("[no-]", "")))
             helps.append(line)
         elif line.startswith("    ") and helps:  # the help's next line
             helps[-1] += " " + line.strip()
@@ -165,6 +168,42 @@ def test_help_explains_every_flag_under_its_section_within_the_terminal():
     assert all("(default" in text for text in helps), helps
     assert ("batch", "--micro_batch_size") in flags and ("model", "--dropout") in flags
     assert any("a GPU's peak TFLOP/s, for MFU (default: the machine picks)" in text for text in helps)
+
+
+def test_help_gives_each_flag_one_line_at_100_columns_in_the_readmes_section_order():
+    """At 100 columns --help wrapped 17 flags onto two lines (issue 62), while the README said one line each;
+    --model's and --dtype's choices and --shard_optimizer, --no-shard_optimizer took a line of their own."""
+    result = run_script(["--help"], env={"COLUMNS": "100"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.split("\n\n", 3)[3].splitlines()  # after the usage, the description and -h
+    sections = [line[:-1] for line in lines if line and not line.startswith(" ")]
+    flags = [line for line in lines if line.startswith(" ")]
+    assert all(re.fullmatch(r"  --\S+( \w+)? +\S.{10,}", line) and len(line) <= 100 for line in flags), flags
+    assert [line.split()[0] for line in flags] == [
+        f"--[no-]{f.name}" if bool in (typing.get_args(f.type) or [f.type]) else f"--{f.name}"
+        for f in dataclasses.fields(t.TrainConfig)]
+    said = re.search(r"under the section its\s+`TrainConfig` field names: ([^.]+)\.", README.read_text())
+    assert sections == [name.replace(" (and schedule)", "") for name in re.split(r",\s+", said[1])]
+
+
+@pytest.mark.parametrize("args, suggested", [
+    (["--steps", "5"], "--max_steps"),  # was --eps, the nearest spelling
+    (["--lr", "1e-3"], "--max_lr"),  # not --min_lr_ratio: the shortest with the word
+    (["--batch_size", "8"], "--total_batch_size"),
+    (["--max_stepz", "5"], "--max_steps"),  # no word matches: the nearest spelling
+])
+def test_a_flag_typed_as_a_word_of_a_flags_name_gets_that_flag(args, suggested):
+    with pytest.raises(t.RunError) as error:
+        t.parse_args(args)
+    assert str(error.value) == f"unrecognized arguments: {' '.join(args)}: did you mean {suggested}? (see --help)"
+
+
+def test_a_file_given_to_data_dir_points_to_text_file(capsys, tmp_path):
+    (tmp_path / "input.txt").write_text("First Citizen:\n")
+    line = error_line_in_process(TINY_ARGS + ["--data_dir", str(tmp_path / "input.txt"), "--log_dir",
+                                              str(tmp_path / "log")], capsys)
+    assert line == (f"error: --data_dir {tmp_path / 'input.txt'} is not a folder: for a text file, use --text_file "
+                    f"{tmp_path / 'input.txt'}")
 
 
 def test_every_flag_takes_hyphens_too_as_torchrun_does():

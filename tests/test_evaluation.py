@@ -2,8 +2,10 @@
 
 import contextlib
 import json
+import os
 import random
 import re
+import stat
 
 import pytest
 import torch
@@ -267,6 +269,23 @@ def test_export_hf_gives_transformers_the_same_model_and_tokenizer(one_thread, t
         ours = trained.eval()(idx)[0][..., :50257]
         torch.testing.assert_close(hf_model.eval()(idx).logits, ours, rtol=0, atol=1e-5)
         torch.testing.assert_close(hf_model.train()(idx).logits, ours, rtol=0, atol=1e-5)  # no dropout either
+
+
+def test_every_file_a_run_and_an_export_write_follows_the_umask(one_thread, tmp_path):
+    """An export's model.safetensors was -rw------- (safetensors writes a 0600 temporary file, then renames it), the
+    rest of the folder -rw-r--r-- (issue 62)."""
+    pytest.importorskip("transformers")
+    umask = os.umask(0o022)
+    try:
+        t.main(t.parse_args(TINY_ARGS + ["--max_steps", "2", "--tensorboard", "--log_dir", str(tmp_path / "log")]))
+        t.main(t.parse_args(["--init_from", str(tmp_path / "log" / "ckpt_2.pt"), "--export_hf", str(tmp_path / "hf"),
+                             "--log_dir", str(tmp_path / "log")]))
+    finally:
+        os.umask(umask)
+    modes = {str(path.relative_to(tmp_path)): oct(stat.S_IMODE(path.stat().st_mode)) for path in tmp_path.rglob("*")}
+    assert {"log/metrics.jsonl", "log/ckpt_2.pt", "log/ckpt_2.pt.sha256", "hf/model.safetensors", "hf/config.json",
+            "hf/tokenizer.json"} <= modes.keys() and any(name.startswith("log/events.out") for name in modes), modes
+    assert modes == {name: "0o755" if (tmp_path / name).is_dir() else "0o644" for name in modes}
 
 
 @pytest.mark.parametrize("flags, message", [
