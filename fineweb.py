@@ -4,8 +4,9 @@
     python3 fineweb.py --input 'my_corpus/*.jsonl' --out_dir my_shards
     python3 fineweb.py --resume                          # the same command again after a stop
 
-Each document becomes <|endoftext|> and its GPT-2 tokens, cut into shards of --shard_size tokens:
-the first for validation, the rest for training; the same bytes for any number of workers.
+Each document becomes <|endoftext|> and its GPT-2 tokens, cut into shards of --shard_size tokens
+(a corpus within one shard: in tenths): the first for validation, the rest for training; the same
+bytes for any number of workers.
 """
 
 import argparse
@@ -32,14 +33,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# In --out_dir while shards are written, and left there if the run stops: train_gpt2.py refuses
-# a folder that holds it. Its JSON says how far the complete shards reach, for --resume.
+# In --out_dir while shards are written, and left there if the run is interrupted: train_gpt2.py
+# refuses a folder that holds it. Its JSON says how far the complete shards reach, for --resume.
 INCOMPLETE_MARKER = "INCOMPLETE"
 MIN_SHARD_SIZE = 1025  # one training window at GPT-2's context: 1024 tokens and the next one
 
 
 class ConfigError(Exception):
     """A user mistake: printed as one line, exit status 2."""
+
+
+class StoppedError(ConfigError):
+    """A run stopped part way by a full disk or a lost connection: its shards stay for --resume."""
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -55,7 +60,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--text_field", default="text", help="the text's field or column")
     parser.add_argument("--out_dir", default="edu_fineweb10B", help="folder for the shards")
     parser.add_argument("--prefix", default="", help="shard name prefix (default: out_dir's name)")
-    parser.add_argument("--shard_size", type=int, default=10**8, help="tokens per shard (200 MB)")
+    parser.add_argument("--shard_size", type=int, default=10**8,
+                        help="tokens per shard (200 MB); a smaller corpus: a tenth of it")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="tokenizer processes")
     parser.add_argument("--overwrite", action="store_true", help="delete out_dir's shards first")
@@ -213,8 +219,8 @@ def read_hub_documents(cfg, skip: int, resume_note: dict | None, notes: collecti
             if index % STREAM_NOTE_EVERY == 0 and hasattr(stream, "state_dict"):  # datasets 2.18+
                 state = stream.state_dict()
     except (OSError, ConnectionError) as error:
-        raise ConfigError(f"cannot reach {cfg.dataset} ({error}): check the network and rerun with "
-                          "--resume (no shard is lost), or pass --input") from None
+        raise StoppedError(f"cannot reach {cfg.dataset} ({error}): check the network and rerun "
+                           "with --resume (no shard is lost), or pass --input") from None
 
 
 def records_from_note(stream, note: dict, text_field: str, datasets_version: str):
@@ -352,8 +358,8 @@ def write_atomically(path: str, write) -> None:
             os.remove(temporary)  # a full disk gets its space back
         full = error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, None)
         fix = f"make room in {os.path.dirname(path) or '.'}" if full else "fix that"
-        raise ConfigError(f"cannot write {path} ({error.strerror or error}): {fix}, then rerun "
-                          "with --resume") from None
+        raise StoppedError(f"cannot write {path} ({error.strerror or error}): {fix}, then rerun "
+                           "with --resume") from None
 
 
 @dataclass(frozen=True)  # frozen: write_shards' default start is shared by every call
@@ -392,6 +398,14 @@ def write_shards(token_arrays, out_dir: str, prefix: str, shard_size: int,
         write_atomically(shard_path(out_dir, prefix, shards), lambda f: np.save(f, buffer[:filled]))
         shards += 1
     return documents, total_tokens, shards
+
+
+def recut_in_tenths(out_dir: str, prefix: str) -> tuple[int, int]:
+    """A corpus within one shard, all in the val shard, cut again in tenths: a tenth validates, as
+    train_gpt2.py holds out of a text file. Returns (the new shard size, shards)."""
+    tokens = np.load(shard_path(out_dir, prefix, 0))
+    shard_size = -(-len(tokens) // 10)  # rounded up: 10 shards, the last the rest
+    return shard_size, write_shards(iter([tokens]), out_dir, prefix, shard_size)[2]
 
 
 # ----------------------------------------------------------------------------- the marker, --resume
@@ -466,6 +480,22 @@ def clear_out_dir(out_dir: str, overwrite: bool) -> None:
             os.remove(path)
 
 
+@contextlib.contextmanager
+def removed_on_refusal(out_dir: str, made_out_dir: bool):
+    """A refusal (a bad record, too little text) removes the shards, the marker and a folder this
+    run made: the fixed input is another, which --resume refuses. A StoppedError keeps them."""
+    try:
+        yield
+    except StoppedError:
+        raise
+    except ConfigError:
+        for path in shard_files(out_dir) + glob.glob(os.path.join(out_dir, INCOMPLETE_MARKER)):
+            os.remove(path)
+        if made_out_dir and not os.listdir(out_dir):
+            os.rmdir(out_dir)
+        raise
+
+
 # ----------------------------------------------------------------------------- main
 
 def main(cfg: argparse.Namespace) -> tuple[int, int, int]:
@@ -490,44 +520,48 @@ def main(cfg: argparse.Namespace) -> tuple[int, int, int]:
     settings = {**source, "text_field": cfg.text_field, "shard_size": cfg.shard_size,
                 "prefix": prefix}
     gpt2_encoding()  # a tokenizer that cannot be had stops the run before it writes anything
-    if cfg.resume and os.path.isdir(cfg.out_dir):
+    made_out_dir = not os.path.isdir(cfg.out_dir)
+    if cfg.resume and not made_out_dir:
         start, resume_note = resume_position(cfg.out_dir, settings)
     else:
         clear_out_dir(cfg.out_dir, cfg.overwrite)
         start, resume_note = Position(), None
-    write_marker(cfg.out_dir, settings, start, resume_note)
-    notes = collections.deque()
-    # the documents in the complete shards are read again (from files), not tokenized again
-    documents = (itertools.islice(read_local_documents(paths, cfg.text_field), start.documents,
-                                  None) if paths else
-                 read_hub_documents(cfg, start.documents, resume_note, notes))
+    with removed_on_refusal(cfg.out_dir, made_out_dir):
+        write_marker(cfg.out_dir, settings, start, resume_note)
+        notes = collections.deque()
+        # the documents in the complete shards are read again (from files), not tokenized again
+        documents = (itertools.islice(read_local_documents(paths, cfg.text_field),
+                                      start.documents, None) if paths else
+                     read_hub_documents(cfg, start.documents, resume_note, notes))
 
-    def on_shard(position):
-        write_marker(cfg.out_dir, settings, position, last_note_within(notes, position.documents))
+        def on_shard(position):
+            write_marker(cfg.out_dir, settings, position,
+                         last_note_within(notes, position.documents))
 
-    from tqdm import tqdm
+        from tqdm import tqdm
 
-    started = time.perf_counter()
-    # disable=None: no bar where stderr is no terminal (a log file, CI)
-    with tokenizing(documents, cfg.workers) as token_arrays, \
-            tqdm(unit="tokens", unit_scale=True, desc="tokenizing", disable=None) as progress:
-        counts = write_shards(token_arrays, cfg.out_dir, prefix, cfg.shard_size, start, on_shard,
-                              progress)
-    num_documents, num_tokens, num_shards = counts
-    if num_documents == 0:
-        raise ConfigError(f"no documents in --input {' '.join(cfg.input)}: check the files")
-    if num_shards < 2:  # the marker stays: train_gpt2.py refuses the folder
-        fix = (f"rerun with --overwrite and a --shard_size below {num_tokens:,}"
-               if num_tokens > MIN_SHARD_SIZE else "give more text")
-        raise ConfigError(f"the corpus holds {num_tokens:,} tokens, less than one --shard_size "
-                          f"({cfg.shard_size:,}): only the validation shard was written, and "
-                          f"training needs more; {fix}")
+        started = time.perf_counter()
+        # disable=None: no bar where stderr is no terminal (a log file, CI)
+        with tokenizing(documents, cfg.workers) as token_arrays, \
+                tqdm(unit="tokens", unit_scale=True, desc="tokenizing", disable=None) as progress:
+            num_documents, num_tokens, num_shards = write_shards(
+                token_arrays, cfg.out_dir, prefix, cfg.shard_size, start, on_shard, progress)
+        if num_documents == 0:
+            raise ConfigError(f"no documents in --input {' '.join(cfg.input)}: check the files")
+        if num_tokens < MIN_SHARD_SIZE:
+            raise ConfigError(f"the corpus holds {num_tokens:,} tokens, less than one training "
+                              f"window of {MIN_SHARD_SIZE:,}: give more text")
+        if num_shards == 1:  # all of it in the val shard, and none to train on
+            size, num_shards = recut_in_tenths(cfg.out_dir, prefix)
+            print(f"{num_tokens:,} tokens, less than one --shard_size ({cfg.shard_size:,}): "
+                  f"shards of {size:,} instead, the first for validation and {num_shards - 1} "
+                  "for training")
     os.remove(os.path.join(cfg.out_dir, INCOMPLETE_MARKER))  # every shard is whole and in place
     speed = (num_tokens - start.shards * cfg.shard_size) / (time.perf_counter() - started)
     resumed = f" (went on after {start.shards} shards)" if start.shards else ""
     print(f"{num_documents:,} documents, {num_tokens:,} tokens, {num_shards} shards in "
           f"{cfg.out_dir}{resumed}, {speed:,.0f} tokens/s")
-    return counts
+    return num_documents, num_tokens, num_shards
 
 
 if __name__ == "__main__":

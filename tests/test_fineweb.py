@@ -3,6 +3,7 @@ import contextlib
 import functools
 import itertools
 import json
+import math
 import multiprocessing
 import os
 import random
@@ -315,18 +316,27 @@ def test_the_workers_exit_when_the_main_process_is_killed(tmp_path):
     assert not any(Path(f"/proc/{pid}").exists() for pid in workers), "a worker outlived the main process"
 
 
-def interrupted_folder(tmp_path):
-    """What a run stopped by a bad second record leaves: 4 complete shards of 1025 tokens, and the marker."""
+def interrupted_folder(tmp_path, monkeypatch):
+    """What a run stopped by Ctrl-C once 4 shards of 1025 tokens are whole leaves: those shards, and the marker. The
+    corpus's second record is bad; the run stopped before it got there. (A refusal would leave nothing.)"""
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text('{"text": "' + "word " * 4100 + '"}\n' + "not json\n")
-    with pytest.raises(fineweb.ConfigError):
+    plain_write_marker = fineweb.write_marker
+
+    def write_marker(out_dir, settings, position, stream_note):
+        plain_write_marker(out_dir, settings, position, stream_note)
+        if position.shards == 4:
+            raise KeyboardInterrupt  # as Ctrl-C does, here just after the marker moved past shard 4
+
+    with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+        patch.setattr(fineweb, "write_marker", write_marker)
         fineweb.main(fineweb.parse_args(["--input", str(corpus), "--out_dir", str(tmp_path / "out"),
                                          "--shard_size", "1025", "--workers", "1"]))
     return corpus, tmp_path / "out"
 
 
-def test_resume_refuses_other_settings_or_input_naming_them(tmp_path):
-    corpus, out_dir = interrupted_folder(tmp_path)
+def test_resume_refuses_other_settings_or_input_naming_them(tmp_path, monkeypatch):
+    corpus, out_dir = interrupted_folder(tmp_path, monkeypatch)
     args = ["--input", str(corpus), "--out_dir", str(out_dir), "--resume", "--workers", "1"]
     with pytest.raises(fineweb.ConfigError) as raised:
         fineweb.main(fineweb.parse_args(args + ["--shard_size", "2050"]))
@@ -350,8 +360,8 @@ def test_resume_refuses_other_settings_or_input_naming_them(tmp_path):
 
 @pytest.mark.parametrize("marker_text", ["garbage", '{"settings": {}, "position": {"shards": 1, "documents": 0, '
                                          '"tokens_into_next": 0}, "stream_note": {"documents": "350"}}'])
-def test_resume_refuses_a_marker_it_did_not_write(tmp_path, marker_text):
-    corpus, out_dir = interrupted_folder(tmp_path)
+def test_resume_refuses_a_marker_it_did_not_write(tmp_path, monkeypatch, marker_text):
+    corpus, out_dir = interrupted_folder(tmp_path, monkeypatch)
     (out_dir / "INCOMPLETE").write_text(marker_text)
     with pytest.raises(fineweb.ConfigError) as raised:
         fineweb.main(fineweb.parse_args(["--input", str(corpus), "--out_dir", str(out_dir), "--shard_size", "1025",
@@ -360,19 +370,20 @@ def test_resume_refuses_a_marker_it_did_not_write(tmp_path, marker_text):
                                  "--overwrite to start again")
 
 
-def test_a_resume_reads_on_to_the_bad_record_and_an_out_dir_that_is_a_file_is_one_line(tmp_path):
-    corpus, out_dir = interrupted_folder(tmp_path)
+def test_a_resume_reads_on_to_the_bad_record_and_an_out_dir_that_is_a_file_is_one_line(tmp_path, monkeypatch):
+    corpus, out_dir = interrupted_folder(tmp_path, monkeypatch)
     args = ["--input", str(corpus), "--out_dir", str(out_dir), "--shard_size", "1025", "--workers", "1"]
     with pytest.raises(fineweb.ConfigError) as raised:
         fineweb.main(fineweb.parse_args(args + ["--resume"]))
     assert str(raised.value) == f"{corpus} line 2 is not valid JSON"
+    assert list(out_dir.iterdir()) == []  # the fixed corpus is another input, which --resume would refuse
     with pytest.raises(fineweb.ConfigError) as raised:
         fineweb.main(fineweb.parse_args(["--input", str(corpus), "--out_dir", str(corpus), "--resume"]))
     assert str(raised.value) == f"cannot make --out_dir {corpus} (it is a file): give a folder you can write to"
 
 
-def test_resume_with_a_missing_shard_is_refused_and_on_a_new_folder_starts_afresh(tmp_path):
-    corpus, out_dir = interrupted_folder(tmp_path)
+def test_resume_with_a_missing_shard_is_refused_and_on_a_new_folder_starts_afresh(tmp_path, monkeypatch):
+    corpus, out_dir = interrupted_folder(tmp_path, monkeypatch)
     (out_dir / "out_train_000002.npy").unlink()
     with pytest.raises(fineweb.ConfigError) as raised:
         fineweb.main(fineweb.parse_args(["--input", str(corpus), "--out_dir", str(out_dir), "--shard_size", "1025",
@@ -405,6 +416,7 @@ def test_error_input_empty(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     line = one_line_error(run_fineweb(["--input", str(tmp_path / "empty.jsonl"), "--out_dir", str(tmp_path / "out")]))
     assert line == f"error: no documents in --input {tmp_path / 'empty.jsonl'}: check the files"
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_tokenizer_that_cannot_be_downloaded_stops_it_before_anything_is_written(corpus, tmp_path):
@@ -431,8 +443,8 @@ def test_error_record_without_the_text_field_names_file_and_line(tmp_path, worke
                                        "--workers", workers]))
     assert line == f"error: {corpus} line 3 has no string 'text' ({{\"body\": \"no text here\"}}): pass --text_field, or fix " \
                    "that record"
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["INCOMPLETE"]  # no shard, and the folder says why
-    if workers == "1":  # with no shard written, the corrected input goes into the same folder without --overwrite
+    assert not (tmp_path / "out").exists()  # a refusal leaves nothing behind
+    if workers == "1":  # so the corrected input goes into the same folder without --overwrite
         corpus.write_text('{"text": "' + "word " * 1100 + '"}\n')  # 1,102 tokens
         assert run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out"),
                             "--shard_size", "1025"]).returncode == 0
@@ -629,13 +641,9 @@ def losses(log_dir):
     return [r["train_loss"] for r in records if "train_loss" in r], [r["val_loss"] for r in records if "val_loss" in r]
 
 
-def test_an_interrupted_run_leaves_a_folder_the_trainer_refuses(tmp_path):
+def test_an_interrupted_run_leaves_a_folder_the_trainer_refuses(tmp_path, monkeypatch):
     """A run stopped part way: its shards are whole, but training on them would be training on part of the data."""
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text('{"text": "' + "word " * 4100 + '"}\n' + "not json\n")  # line 1 fills 4 shards, line 2 fails
-    line = one_line_error(run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out"),
-                                       "--shard_size", "1025"]))
-    assert line == f"error: {corpus} line 2 is not valid JSON"
+    corpus, _ = interrupted_folder(tmp_path, monkeypatch)
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [  # 4 of the 4,102 tokens' 5 shards were written
         "INCOMPLETE", "out_train_000001.npy", "out_train_000002.npy", "out_train_000003.npy", "out_val_000000.npy"]
     with pytest.raises(train_gpt2.RunError) as raised:
@@ -647,6 +655,75 @@ def test_an_interrupted_run_leaves_a_folder_the_trainer_refuses(tmp_path):
                         "--overwrite"]).returncode == 0
     assert "INCOMPLETE" not in [p.name for p in (tmp_path / "out").iterdir()]
     assert len(checked_run(data_dir=str(tmp_path / "out")).shard_paths("train")) == 4  # 4,102 tokens: val + 4 train shards
+
+
+def test_a_corpus_within_one_shard_gets_shards_of_a_tenth_in_one_command_and_trains(tmp_path, capsys):
+    """Issue 62: `fineweb.py --input small.jsonl` took three commands: a refusal ("less than one --shard_size") that
+    left the INCOMPLETE marker, then "holds an interrupted run's shards", then --overwrite. Now the first command
+    cuts the corpus in tenths (a tenth validates, as train_gpt2.py splits a text file) and says so."""
+    corpus = tmp_path / "small.jsonl"
+    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in corpus_texts()[:5]), encoding="utf-8")
+    tokens = [token for document in document_tokens()[:5] for token in document]
+    assert len(tokens) == 4808  # shards of 481: 9 of them, and the last of 479
+    result = run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "small"), "--workers", "1"])
+    assert result.returncode == 0, result.stderr
+    chosen, summary = result.stdout.splitlines()
+    assert chosen == ("4,808 tokens, less than one --shard_size (100,000,000): shards of 481 instead, the first for "
+                      "validation and 9 for training")
+    assert summary.startswith(f"5 documents, 4,808 tokens, 10 shards in {tmp_path / 'small'}, ")
+    assert sorted(p.name for p in (tmp_path / "small").iterdir()) == (
+        [f"small_train_{i:06d}.npy" for i in range(1, 10)] + ["small_val_000000.npy"])  # and no INCOMPLETE
+    shards = read_shards(tmp_path / "small")
+    assert [len(shard) for shard in shards] == [481] * 9 + [479]
+    assert np.concatenate(shards).tolist() == tokens
+
+    # a --shard_size of exactly the corpus: its one shard fills (the marker moves past it), and is cut again the same
+    counts = fineweb.main(fineweb.parse_args(["--input", str(corpus), "--out_dir", str(tmp_path / "given"),
+                                              "--prefix", "small", "--shard_size", "4808", "--workers", "1"]))
+    assert counts == (5, 4808, 10)
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "4,808 tokens, less than one --shard_size (4,808): shards of 481 instead, the first for validation and 9 for "
+        "training")
+    for path in (tmp_path / "small").iterdir():
+        assert (tmp_path / "given" / path.name).read_bytes() == path.read_bytes(), path.name
+
+    # 4 steps of 8 windows of 32 + 1 tokens; an evaluation of 8 windows needs 257 of the 481 val tokens
+    trained = run_python(["train_gpt2.py"] + shard_training_args(tmp_path / "small", tmp_path / "log") +
+                         ["--max_steps", "4", "--eval_every", "4"], env={"OMP_NUM_THREADS": "1"})
+    assert trained.returncode == 0, trained.stderr
+    assert "; 4,327 train tokens" in trained.stdout  # 4,808 - 481
+    train_losses, val_losses = losses(tmp_path / "log")
+    assert (len(train_losses), len(val_losses)) == (4, 2)  # val: before training and after step 3
+    assert all(math.isfinite(loss) for loss in train_losses + val_losses), (train_losses, val_losses)
+    assert train_losses[-1] < train_losses[0], train_losses
+
+
+def test_a_refusal_after_shards_were_written_leaves_nothing_and_the_same_command_goes_on(tmp_path, monkeypatch):
+    """Issue 62: a refusal left its shards and the marker, and the next run was told "holds an interrupted run's
+    shards". Line 1 fills 4 shards of 1,025 tokens before line 2 is found bad; then nothing of the run is left."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"text": "' + "word " * 4100 + '"}\n' + "not json\n")
+    plain_write_marker, positions = fineweb.write_marker, []
+
+    def write_marker(out_dir, settings, position, stream_note):  # notes how many shards are whole
+        positions.append(position.shards)
+        plain_write_marker(out_dir, settings, position, stream_note)
+
+    monkeypatch.setattr(fineweb, "write_marker", write_marker)
+    args = ["--input", str(corpus), "--out_dir", str(tmp_path / "out"), "--shard_size", "1025", "--workers", "1"]
+    with pytest.raises(fineweb.ConfigError) as raised:
+        fineweb.main(fineweb.parse_args(args))
+    assert str(raised.value) == f"{corpus} line 2 is not valid JSON"
+    assert positions == [0, 1, 2, 3, 4]  # 4 shards were whole, and are gone with the folder the run made
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "mine").mkdir()  # a folder the run did not make stays, with what the run did not write
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    with pytest.raises(fineweb.ConfigError):
+        fineweb.main(fineweb.parse_args(args[:3] + [str(tmp_path / "mine")] + args[4:] + ["--overwrite"]))
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    corpus.write_text('{"text": "' + "word " * 4100 + '"}\n')  # fixed: the same command, no --overwrite
+    assert fineweb.main(fineweb.parse_args(args)) == (1, 4102, 5)
+    assert [len(shard) for shard in read_shards(tmp_path / "out")] == [1025] * 4 + [2]
 
 
 def test_end_to_end_train_on_the_shards_one_and_two_processes(corpus_shards, tmp_path):
@@ -672,11 +749,7 @@ def test_end_to_end_train_on_the_shards_one_and_two_processes(corpus_shards, tmp
     ("corpus.jsonl", '{"text": "fine"}\n["a", "list"]\n', [],
      "{path} line 2 has no string 'text' ([\"a\", \"list\"]): pass --text_field, or fix that record"),
     ("corpus.jsonl", '{"text": "a short corpus"}\n', [],
-     "the corpus holds 4 tokens, less than one --shard_size (100,000,000): only the validation shard was written, "
-     "and training needs more; give more text"),
-    ("corpus.jsonl", '{"text": "' + "word " * 2000 + '"}\n', [],
-     "the corpus holds 2,002 tokens, less than one --shard_size (100,000,000): only the validation shard was "
-     "written, and training needs more; rerun with --overwrite and a --shard_size below 2,002"),
+     "the corpus holds 4 tokens, less than one training window of 1,025: give more text"),
     ("corpus.jsonl.gz", b"\x1f\x8b\x08 not really gzip", [], "{path} is not a whole gzip file ({reason}): download or "
                                                             "compress it again"),
     ("corpus.parquet", b"PAR1 not really parquet", [], "{path} is not a parquet file ({reason}): check the file"),
@@ -692,7 +765,7 @@ def test_end_to_end_train_on_the_shards_one_and_two_processes(corpus_shards, tmp
 def test_more_input_mistakes(tmp_path, name, content, args, message):
     """Among them the issue-22 cases: a list record was told "pass --text_field", a corpus smaller than a shard ended
     with exit 0 and a val shard only, --shard_size 1 wrote 13,239 one-token shards, a corrupt .gz or a file named
-    .parquet that is none were tracebacks, --prefix a/b was told "rerun with --resume"."""
+    .parquet that is none were tracebacks, --prefix a/b was told "rerun with --resume". Each leaves no --out_dir."""
     path = tmp_path / name
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     args = [arg.format(path=path) for arg in args]
@@ -702,6 +775,7 @@ def test_more_input_mistakes(tmp_path, name, content, args, message):
         assert reason and "\n" not in reason
         message = message.replace("{reason}", reason)
     assert line == "error: " + message.format(path=path)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_gzip_file_cut_short_and_a_folder_given_as_input_are_one_line(tmp_path):
