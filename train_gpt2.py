@@ -32,6 +32,11 @@ GPT2_VOCAB_SIZE = 50257  # the GPT-2 tokenizer's tokens
 END_OF_TEXT = 50256  # <|endoftext|>: between documents; an empty prompt starts from it
 
 
+class RunError(Exception):
+    """Why a run cannot go on (a user mistake, a full disk, a corrupt checkpoint, a diverged loss,
+    an edit on one path alone): the machinery prints `error: ...` on rank 0, and all exit 2."""
+
+
 # ------------------------------ model
 @dataclass
 class GPTConfig:
@@ -653,6 +658,8 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
 
     optimizers = configure_optimizers(raw_model, cfg, fused=device.startswith("cuda"),
                                       sharded=cfg.shard_optimizer and W > 1)
+    for group in (group for optimizer in optimizers for group in optimizer.param_groups):
+        group["lr_ratio"] = group["lr"] / cfg.max_lr  # a group given its own rate keeps its ratio
     # float16's narrow range: small gradients underflow unless the loss is scaled; bfloat16's not
     scaler = torch.amp.GradScaler(device.split(":")[0], enabled=cfg.dtype == "float16")
     torch.manual_seed(cfg.seed + launch.rank)  # dropout: each rank its own masks
@@ -661,15 +668,13 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
     autocast, accum_steps = autocast_for(cfg.dtype, device), grad_accum_steps(cfg, W)
     run.start(raw_model, accum_steps, train_loader)
     if start_step == 0:  # a new run: the val loss "after step -1" is the curve's first point;
-        # HellaSwag and sampling run once too, so that a broken edit fails before step 0
+        # HellaSwag runs once too, so that a broken edit fails before step 0
         if cfg.eval_every:
             run.log_scores(-1, {"val_loss": estimate_val_loss(
                 raw_model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
         if cfg.hellaswag_every:
             evaluate_hellaswag(raw_model, inputs.hellaswag[:1], device, autocast, launch)
-        if cfg.sample_every and launch.rank == 0:  # 2 tokens: the prompt's pass and a step
-            generate(raw_model, [END_OF_TEXT], 2, kv_caches(raw_model, cfg.kv_cache),
-                     cfg.num_samples, autocast=autocast)
+    check_paths_agree(raw_model, device)  # training's logits are the cache's: an edit reached both
 
     for step in range(start_step, cfg.max_steps):
         started = time.perf_counter()
@@ -692,10 +697,10 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
         # a rare huge gradient (a bad batch) is scaled to norm 1 before Adam's moments see it
         grad_norm = nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
-        lr = lr_at(step, cfg)  # one schedule drives every optimizer
+        lr = lr_at(step, cfg)  # one schedule drives every optimizer's groups
         for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+            for group in optimizer.param_groups:  # (older checkpoints hold no lr_ratio)
+                group["lr"] = lr * group.get("lr_ratio", 1.0)
             scaler.step(optimizer)
         scaler.update()
         loss, grad_norm = loss.item(), grad_norm.item()  # the step's one wait for the device
@@ -729,6 +734,29 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
 
 
 # ------------------------------ evaluation and sampling
+@torch.no_grad()
+def check_paths_agree(model: GPT, device):
+    """Training's forward, the prompt's cached pass and one-token cached steps must give the same
+    float32 logits over a block of text holding <|endoftext|>: a mask or position edited on one
+    path alone stops the run here, naming the first position where they part."""
+    T, steps = model.config.block_size, min(4, model.config.block_size - 1)  # steps at the end
+    at = torch.arange(T, device=device)
+    tokens = torch.where(at % 7 == 3, END_OF_TEXT, at * 7919 % GPT2_VOCAB_SIZE)[None]  # (1, T)
+    model.eval()
+    full, caches = model(tokens)[0][0], kv_caches(model)  # (T, vocab_size)
+    cached = [model.logits(model.hidden_states(tokens[:, : T - steps], caches, at[: T - steps]))]
+    cached += [model.logits(model.hidden_states(tokens[:, i : i + 1], caches, at[i : i + 1]))
+               for i in range(T - steps, T)]
+    model.train()
+    difference = (torch.cat(cached, dim=1)[0] - full).abs().amax(dim=-1)  # (T,)
+    if (parted := difference > 1e-4 * max(1.0, full.abs().max().item())).any():
+        i = int(parted.nonzero()[0])
+        path = "the prompt's cached pass" if i < T - steps else "a one-token cached step"
+        raise RunError(f"the logits of training's forward and of {path} differ at position {i} "
+                       f"by {difference[i]:.3g}: an edit reached one path alone (say which keys a "
+                       "query sees in visible(), and use attention's positions)")
+
+
 def validation_loader(stream: TokenStream, cfg: TrainConfig, launch: Launch) -> DataLoader:
     """In order from its start each time: every evaluation scores the same tokens."""
     return DataLoader(stream, cfg.micro_batch_size, cfg.seq_len, launch.rank, launch.world_size,
@@ -875,11 +903,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 
 RESUME_AUTO = "run the same command with --resume auto"
-
-
-class RunError(Exception):
-    """Why the run cannot go on (a user mistake, a full disk, a corrupt checkpoint, a diverged
-    loss): one line, `error: ...`, exit 2, on every rank."""
 
 
 class DownloadError(RunError):

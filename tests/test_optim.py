@@ -112,3 +112,24 @@ def test_fused_adamw_the_cuda_default_steps_like_the_plain_one(one_thread):
     # the kernels order their float32 arithmetic differently: 1.3e-6 apart was seen (2 threads, a loaded machine);
     # a wrong update would be off by about a step, lr 6e-4
     assert max((a - b).abs().max().item() for a, b in zip(plain, fused, strict=True)) < 1e-5
+
+
+def test_a_group_given_its_own_learning_rate_keeps_its_ratio_through_the_schedule_and_a_resume(tmp_path, monkeypatch):
+    """A hacker's per-group rate (here the decayed matrices at 3x) was reset to the schedule's every step (issue 61):
+    now the schedule scales each group's own rate, and the ratio is saved and resumed."""
+    from conftest import TINY_ARGS
+
+    configure_optimizers, seen = t.configure_optimizers, []
+
+    def three_times_for_the_matrices(*args, **kwargs):
+        optimizers = configure_optimizers(*args, **kwargs)
+        optimizers[0].param_groups[0]["lr"] *= 3  # as a group written with "lr": 3 * cfg.max_lr
+        optimizers[0].register_step_pre_hook(lambda optimizer, *_: seen.append([g["lr"] for g in optimizer.param_groups]))
+        return optimizers
+
+    monkeypatch.setattr(t, "configure_optimizers", three_times_for_the_matrices)
+    flags = TINY_ARGS + ["--max_steps", "3", "--warmup_steps", "2", "--log_dir", str(tmp_path)]
+    t.main(t.parse_args(flags + ["--stop_after_steps", "2"]))
+    t.main(t.parse_args(flags + ["--resume", "auto"]))
+    cfg = t.parse_args(flags)
+    assert seen == [[3 * t.lr_at(step, cfg), t.lr_at(step, cfg)] for step in range(3)]

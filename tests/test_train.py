@@ -375,3 +375,61 @@ def test_a_checkpoint_due_with_samples_is_written_before_them(tmp_path, monkeypa
     monkeypatch.setattr(t, "print_samples", lambda *args: seen.append(sorted(p.name for p in tmp_path.glob("*/*.pt"))))
     run(["--max_steps", "4", "--sample_every", "2", "--ckpt_every", "2", "--keep_ckpts", "0"], tmp_path)
     assert seen == [["ckpt_2.pt"], ["ckpt_2.pt", "ckpt_4.pt"]]
+
+
+# ------------------------------ before step 0, training's path and the cache's agree (issue 61)
+
+def window_of_16_on_masks_alone(query_positions_unknown=None):
+    """A window added where attention passes its mask, not in visible(): training's fused causal kernel never sees
+    it, generation's masked calls do. Each causal mask row keeps its last 16 keys."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def windowed(q, k, v, attn_mask=None, **kwargs):
+        if attn_mask is not None:
+            attn_mask = attn_mask & (attn_mask.flip(-1).cumsum(-1).flip(-1) <= 16)
+        return sdpa(q, k, v, attn_mask=attn_mask, **kwargs)
+    return windowed
+
+
+def documents_visible(query_positions, key_positions, key_tokens):
+    documents = (key_tokens == t.END_OF_TEXT).cumsum(-1)  # (B, Tk): each key's document
+    same = documents[:, query_positions, None] == documents[:, None, :]  # (B, Tq, Tk)
+    return ((key_positions <= query_positions[:, None]) & same)[:, None]
+
+
+def test_an_edit_that_reaches_one_path_alone_stops_before_step_0_naming_where_they_part(tmp_path, monkeypatch, capsys):
+    """Two wrong edits that trained to the end before: a window on attention's own mask (training never sees it), and
+    a document mask made in forward() (generation and HellaSwag never see it). A right one, the README's window in
+    visible(), trains."""
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", window_of_16_on_masks_alone())
+    with pytest.raises(SystemExit) as stopped:
+        run(["--max_steps", "2"], tmp_path, "window")
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.startswith(
+        "error: the logits of training's forward and of the prompt's cached pass differ at position 16 by ")
+    assert err.endswith(": an edit reached one path alone (say which keys a query sees in visible(), and use "
+                        "attention's positions)\n") and len(err.splitlines()) == 1
+    monkeypatch.undo()
+
+    class DocumentsInForward(t.GPT):  # the mask made for forward's own blocks only
+        def forward(self, idx, targets=None):
+            for block in self.transformer.h:
+                block.attn.fused_causal = False
+            with pytest.MonkeyPatch.context() as patch:
+                patch.setattr(t, "visible", documents_visible)
+                return super().forward(idx, targets)
+
+    monkeypatch.setattr(t, "GPT", DocumentsInForward)
+    with pytest.raises(SystemExit):
+        run(["--max_steps", "2"], tmp_path, "documents")
+    assert capsys.readouterr().err.startswith(  # <|endoftext|> at 3: its document starts there
+        "error: the logits of training's forward and of the prompt's cached pass differ at position 3 by ")
+    monkeypatch.undo()
+
+    window = lambda q, k, tokens: (k <= q[:, None]) & (q[:, None] - k < 16)  # noqa: E731 (the README's)
+    monkeypatch.setattr(t, "visible", window)
+    t.visible_is_causal.cache_clear()
+    try:
+        assert len([r for r in run(["--max_steps", "2"], tmp_path, "right").records if "train_loss" in r]) == 2
+    finally:
+        t.visible_is_causal.cache_clear()
