@@ -4,7 +4,8 @@
     torchrun --standalone --nproc_per_node=8 train_gpt2.py --data_dir edu_fineweb10B  # 8 GPUs
 
 Read it down to the one "# ====" banner: the model, data, distributed setup, optimizer and
-schedule, the training config and train(), evaluation and sampling. Then the machinery.
+schedule, the training config and train(), evaluation and sampling. That much trains alone, as
+train(TrainConfig(...)); the machinery after the banner is the command line, and hardens it.
 """
 
 import collections
@@ -377,7 +378,8 @@ def flag(default, help: str, section: str, choices=None):  # a --flag, in --help
 
 @dataclass
 class TrainConfig:
-    """Every --flag. Defaults: GPT-2 124M as build-nanogpt trains it (--data_dir: FineWeb-Edu)."""
+    """Every --flag. Defaults: build-nanogpt's GPT-2 124M model, batch, optimizer and schedule
+    (its data: --data_dir with fineweb.py's FineWeb-Edu shards)."""
     model: str = flag("gpt2", "gpt2, gpt2-medium, -large or -xl shape", "model", list(MODEL_SHAPES))
     n_layer: int = flag(12, "transformer blocks", "model")
     n_head: int = flag(12, "attention heads", "model")
@@ -597,7 +599,7 @@ class Run:
             os.makedirs(self.cfg.log_dir, exist_ok=True)
             torch.save(state, os.path.join(self.cfg.log_dir, f"ckpt_{steps_done}.pt"))
 
-    def start(self, model, accum_steps, loader):  # the machinery's names every choice made
+    def start(self, model, accum_steps, loader):  # (the machinery's start line names each choice)
         self.info(f"{count_parameters(model):,} parameters, {accum_steps} micro-steps a step")
 
     def info(self, line):
@@ -707,7 +709,8 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
         run.log_step(step, loss, lr, grad_norm, (time.perf_counter() - started) * 1000,
                      train_loader)
         # every rank holds the same loss and norm: all stop (float16's scaler skips inf norms)
-        if not math.isfinite(loss) or not (math.isfinite(grad_norm) or scaler.is_enabled()):
+        finite = math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled())
+        if not finite:
             run.diverged(step, loss, grad_norm)  # raises, saving nothing from this step
 
         # the rest is bookkeeping: evaluate, checkpoint, sample
@@ -836,6 +839,10 @@ def sample_next(model: GPT, idx, caches, positions, noise, temperature: float):
     return top_ids.gather(-1, choice)
 
 
+# cuDNN's attention plans anew for each length (the prompt's, each window's): 64 tokens/s at 124M
+WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 @torch.no_grad()
 def generate(model: GPT, prompt_tokens: list[int], max_new_tokens: int, caches, num_samples=1,
              temperature=1.0, top_k=50, seed=0, autocast=contextlib.nullcontext,
@@ -866,10 +873,6 @@ def generate(model: GPT, prompt_tokens: list[int], max_new_tokens: int, caches, 
     model.train()
     return tokens[:, len(context) :].tolist()
 
-
-
-# cuDNN's attention would plan anew for each length (the prompt's, each window's): 64 tokens/s
-WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def print_samples(model: GPT, tokenizer, cfg, autocast, caches, next_token=sample_next):

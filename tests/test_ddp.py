@@ -213,8 +213,8 @@ def test_ranks_that_find_different_checkpoints_are_refused_with_one_line(tmp_pat
     assert first.returncode == 0, first.stderr
     result = torchrun(2, [ENTRY, "own_folders", str(tmp_path)] + flags + ["--resume", "auto"])
     assert_every_rank_stopped_with_one_line(result, "error: the ranks found different data or checkpoints ((train "
-                                                    "tokens, val tokens, checkpoint step) on each: [(304222, None, 2), "
-                                                    "(304222, None, None)]): give every machine the same shards and a "
+                                                    "tokens, val tokens, checkpoint step) on each: [(304222, 33803, 2), "
+                                                    "(304222, 33803, None)]): give every machine the same shards and a "
                                                     "shared --log_dir")
     assert "step " not in result.stdout
 
