@@ -345,7 +345,8 @@ def configure_optimizers(model: GPT, cfg: "TrainConfig", fused: bool, sharded=Fa
                and name.startswith("transformer.h.")}
     params = [p for name, p in named if name not in to_muon]
     # decay pulls weights toward 0: matrices and embeddings; not biases or LayerNorm gains,
-    # whose scale is not a model's capacity to overfit
+    # whose scale is not a model's capacity to overfit. The rule is 2 or more dimensions: a new
+    # gain shaped (n_head, 1, 1) is decayed unless given a group of its own
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
@@ -694,6 +695,10 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
                 micro_loss = micro_loss / accum_steps
                 scaler.scale(micro_loss).backward()  # float16: scaled so that none round to 0
             loss += micro_loss.detach()
+        if step == start_step and (idle := [name for name, p in raw_model.named_parameters()
+                                             if p.requires_grad and p.grad is None]):
+            raise RunError(f"{', '.join(idle)} got no gradient: use it in forward, or set its "
+                           "requires_grad to False (DDP waits for a gradient from each)")
         loss = all_reduce_mean(loss, launch)  # DDP averaged the gradients; this, the logged loss
         for optimizer in optimizers:  # AdamW, and Muon with --optimizer muon
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones

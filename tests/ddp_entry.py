@@ -79,6 +79,17 @@ def nan_loss(rank, step, flags):
     train_gpt2.main(train_gpt2.parse_args(flags))
 
 
+def idle_parameter(flags):
+    """A parameter forward never uses: DDP would wait for its gradient, or raise at the next step."""
+    class WithAnIdleGain(train_gpt2.GPT):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.transformer.h[0].attn.value_gain = torch.nn.Parameter(torch.ones(()))
+
+    train_gpt2.GPT = WithAnIdleGain
+    train_gpt2.main(train_gpt2.parse_args(flags))
+
+
 def grad_sync(out):
     """train()'s first step, its micro-steps inline: the gradients after them, as all_reduce_mean (called once a step,
     right after the micro-steps) sees them, with DDP synced in the last micro-step only (no_sync in the others) and
@@ -141,6 +152,8 @@ if __name__ == "__main__":
         own_folders(args[0], args[1:])
     elif command == "nan_loss":
         nan_loss(args[0], int(args[1]), args[2:])
+    elif command == "idle_parameter":
+        idle_parameter(args)
     elif command == "card":
         card(args[0], args[1:])
     else:

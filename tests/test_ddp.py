@@ -275,6 +275,14 @@ def test_a_loss_that_turns_nan_on_one_rank_stops_every_rank_with_one_line(tmp_pa
     assert "step     3/20 | loss nan" in result.stdout and "step     4/20" not in result.stdout
 
 
+def test_a_parameter_with_no_gradient_under_ddp_is_one_line_on_every_rank_before_any_step(tmp_path):
+    result = torchrun(2, [ENTRY, "idle_parameter"] + TINY_ARGS + ["--log_dir", str(tmp_path / "log")], timeout=120)
+    assert_every_rank_stopped_with_one_line(
+        result, "error: transformer.h.0.attn.value_gain got no gradient: use it in forward, or set its requires_grad "
+                "to False (DDP waits for a gradient from each)")
+    assert " | loss " not in result.stdout and "exitcode  : 2" in result.stderr.split("Root Cause")[1]
+
+
 def test_a_rank_that_runs_out_of_memory_says_so_in_one_line_and_ends_every_rank(tmp_path):
     """Rank 1 of 3 runs out at step 3; ranks 0 and 2, left waiting inside a collective, are ended too."""
     started = time.monotonic()

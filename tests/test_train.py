@@ -433,3 +433,22 @@ def test_an_edit_that_reaches_one_path_alone_stops_before_step_0_naming_where_th
         assert len([r for r in run(["--max_steps", "2"], tmp_path, "right").records if "train_loss" in r]) == 2
     finally:
         t.visible_is_causal.cache_clear()
+
+
+class WithAnIdleGain(t.GPT):
+    """A hacker's new parameter that forward never uses (layer 0's value-residual scalar, say)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.transformer.h[0].attn.value_gain = torch.nn.Parameter(torch.ones(()))
+
+
+def test_a_parameter_with_no_gradient_is_one_line_before_any_optimizer_step(tmp_path, monkeypatch, capsys):
+    """It used to train on, its value never moving (in one process), or to stop in PyTorch's words (under DDP)."""
+    monkeypatch.setattr(t, "GPT", WithAnIdleGain)
+    with pytest.raises(SystemExit) as stopped:
+        run(["--max_steps", "2", "--ckpt_every", "1"], tmp_path)
+    assert stopped.value.code == 2 and capsys.readouterr().err == (
+        "error: transformer.h.0.attn.value_gain got no gradient: use it in forward, or set its requires_grad to "
+        "False (DDP waits for a gradient from each)\n")
+    assert not list((tmp_path / "log").glob("ckpt_*.pt"))  # no step was taken
