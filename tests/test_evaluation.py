@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import train_gpt2 as t
 from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, run_python, run_script
 from test_ddp import ONE_THREAD, torchrun
+from test_model import document_mask, visible_as
 
 TOKENIZER = t.gpt2_tokenizer()
 
@@ -323,23 +324,15 @@ def test_an_export_of_a_changed_architecture_is_refused_and_leaves_no_folder(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]
 
 
-def test_an_export_of_a_model_masked_by_documents_is_refused(tmp_path, capsys, monkeypatch):
+def test_an_export_of_a_model_masked_by_documents_is_refused(tmp_path, capsys):
     """The check scored random ids, which almost never hold <|endoftext|>: a model that attends within documents
     was exported, and transformers disagreed by 4.97 logits on real text (issue 55). Its tokens now hold some."""
     pytest.importorskip("transformers")
     t.main(t.parse_args(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path / "log")]))
 
-    def by_documents(query_positions, key_positions, key_tokens):
-        documents = (key_tokens == t.END_OF_TEXT).cumsum(-1)
-        same = documents[:, query_positions, None] == documents[:, None, :]
-        return ((key_positions <= query_positions[:, None]) & same)[:, None]
-    monkeypatch.setattr(t, "visible", by_documents)
-    t.visible_is_causal.cache_clear()
-    try:
+    with visible_as(document_mask):
         line = one_line_exit(capsys, ["--init_from", str(tmp_path / "log" / "ckpt_2.pt"), "--export_hf",
                                       str(tmp_path / "hf"), "--log_dir", str(tmp_path / "log")])
-    finally:
-        t.visible_is_causal.cache_clear()  # the next test's file says causal again
     assert re.fullmatch(r"error: the exported model's logits differ from ours by up to [0-9.e-]+: the model no "
                         r"longer matches GPT-2's architecture in transformers, so it cannot be exported as GPT-2", line)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]
@@ -627,28 +620,24 @@ def test_an_export_whose_tensors_gpt2_cannot_hold_is_one_line_and_writes_nothing
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hacked.pt", "log"]
 
 
-def test_an_edit_to_the_recipes_sampling_reaches_generate_with_compile(tmp_path, monkeypatch):
-    """--generate --compile compiles the recipe's sample_next itself: a hacker's edit there (greedy decoding, here)
-    changes the compiled tokens as it changes the eager ones. Made on a copy of the file, as a hacker would."""
-    import importlib.util
+def test_an_edit_to_the_recipes_sampling_reaches_generate_with_compile(monkeypatch):
+    """--generate --compile compiles the recipe's sample_next itself: a hacker's edit there (greedy decoding, here,
+    made at run time: sample_next drawing with noise of ones, argmax(p / 1), the likeliest token) changes the
+    compiled tokens as it changes the eager ones."""
+    sample_next = t.sample_next
 
-    source = (ROOT / "train_gpt2.py").read_text()
-    draw = "    choice = (F.softmax(top_logits, dim=-1) / noise).argmax(dim=-1, keepdim=True)\n"
-    assert source.count(draw) == 1
-    (tmp_path / "train_gpt2.py").write_text(source.replace(draw, "    choice = top_logits.argmax(dim=-1, "
-                                                                  "keepdim=True)  # greedy\n"))
-    spec = importlib.util.spec_from_file_location("greedy_train_gpt2", tmp_path / "train_gpt2.py")
-    greedy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(greedy)
+    def greedy(model, idx, caches, positions, noise, temperature):
+        return sample_next(model, idx, caches, positions, torch.ones_like(noise), temperature)
+
+    monkeypatch.setattr(t, "sample_next", greedy)
     torch.manual_seed(0)
-    model = greedy.GPT(greedy.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64))
+    model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64))
     with torch.no_grad():
         expected = [model.logits(model.hidden_states(torch.tensor([[1, 2, 3]])))[0, -1].argmax().item()]
     texts = {}
     for compiled in (False, True):
-        caches, step = greedy.compiled_step(model, "cpu") if compiled else (greedy.kv_caches(model),
-                                                                           greedy.sample_next)
-        texts[compiled] = greedy.generate(model, [1, 2, 3], 6, caches, 3, 1.0, 20, 7, contextlib.nullcontext, step)
+        caches, step = t.compiled_step(model, "cpu") if compiled else (t.kv_caches(model), t.sample_next)
+        texts[compiled] = t.generate(model, [1, 2, 3], 6, caches, 3, 1.0, 20, 7, contextlib.nullcontext, step)
     assert texts[True] == texts[False], texts
     assert all(sample == texts[False][0] for sample in texts[False]), "greedy: every sample the same"
     assert texts[False][0][0] == expected[0]

@@ -3,11 +3,10 @@ it shows and every error line it quotes."""
 
 import dataclasses
 import errno
-import importlib.util
+import inspect
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 
@@ -57,30 +56,46 @@ def worked_change():
     return function.split("\n", 1)[1].strip() + "\n\n\n", line.split("\n", 1)[1].rstrip() + "\n"
 
 
-def edited_copy(folder):
-    """train_gpt2.py with the README's change applied, as a user would paste it."""
+def worked_change_attention(namespace):
+    """CausalSelfAttention with the README's change made at run time, the file's text untouched: step 1's rotate()
+    defined in namespace (train_gpt2's own, where torch.compile looks for it, or a copy); the file's forward run with
+    a c_attn whose q and k step 2's line turns, split into heads as forward splits them (a view: the numbers the line
+    meets there). Nothing is set on the module, so torch.compile traces it whole, recomputed or not."""
     function, line = worked_change()
-    source = SOURCE.replace("class CausalSelfAttention(nn.Module):", function + "class CausalSelfAttention(nn.Module):")
-    heads = next(text for text in source.splitlines(keepends=True) if text.strip().endswith("for t in (q, k, v))"))
-    assert source.count(heads) == 1 and len(line.splitlines()) == 1
-    source = source.replace(heads, heads + line)
-    (folder / "train_gpt2.py").write_text(source)
-    return folder / "train_gpt2.py"
+    assert len(line.splitlines()) == 1, line
+    exec(function + f"def turn(q, k, positions):\n    {line.strip()}\n    return q, k\n", namespace)
+    turn, plain = namespace["turn"], t.CausalSelfAttention
+
+    class Turning:  # an attention as its forward reads it, its c_attn turning q and k by positions
+        def __init__(self, attention, positions):
+            self.attention, self.positions = attention, positions
+
+        def __getattr__(self, name):
+            return getattr(self.attention, name)
+
+        def c_attn(self, x):
+            B, T, C = x.shape
+            q, k, v = self.attention.c_attn(x).split(C, dim=2)
+            heads = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for z in (q, k))
+            q, k = turn(*heads, self.positions)
+            return torch.cat([z.transpose(1, 2).reshape(B, T, C) for z in (q, k)] + [v], dim=2)
+
+    class RotaryAttention(plain):
+        def forward(self, x, positions, *args, **kwargs):
+            return plain.forward(Turning(self, positions), x, positions, *args, **kwargs)
+
+    return RotaryAttention
 
 
-def test_the_worked_change_is_at_most_15_lines_and_changes_the_model(tmp_path):
+def test_the_worked_change_is_at_most_15_lines_and_changes_the_model(monkeypatch):
     function, line = worked_change()
     assert len((function + line).strip().splitlines()) <= 15
-    spec = importlib.util.spec_from_file_location("rotary_train_gpt2", edited_copy(tmp_path))
-    edited = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(edited)
-    import train_gpt2
-
     config = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
     torch.manual_seed(0)
-    plain = train_gpt2.GPT(train_gpt2.GPTConfig(**config))
-    rotary = edited.GPT(edited.GPTConfig(**config))
-    rotary.load_state_dict(plain.state_dict())
+    plain = t.GPT(t.GPTConfig(**config))
+    monkeypatch.setattr(t, "CausalSelfAttention", worked_change_attention(dict(vars(t))))
+    rotary = t.GPT(t.GPTConfig(**config))
+    rotary.load_state_dict(plain.state_dict())  # the same weights: the change adds none
     idx = torch.randint(0, 64, (2, 16))
     with torch.no_grad():
         same_first = torch.allclose(rotary(idx)[0][:, 0], plain(idx)[0][:, 0], atol=1e-6)  # position 0: no turn
@@ -88,18 +103,16 @@ def test_the_worked_change_is_at_most_15_lines_and_changes_the_model(tmp_path):
     assert same_first and differ_later, "the rotation must leave position 0 alone and turn the later ones"
 
 
-def test_the_worked_change_passes_the_model_tests_a_hacker_runs(tmp_path):
-    """`pytest -m "not recipe" tests/test_model.py` on a copy of the project with the README's change."""
-    (tmp_path / "tests").mkdir()
-    for name in ("conftest.py", "test_model.py"):
-        shutil.copy(ROOT / "tests" / name, tmp_path / "tests" / name)
-    shutil.copy(ROOT / "input.txt", tmp_path / "input.txt")
-    edited_copy(tmp_path)
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not recipe",
-                             "tests/test_model.py"], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+def test_the_worked_change_passes_the_model_tests_a_hacker_runs():
+    """`pytest -m "not recipe" tests/test_model.py`, the README's change made before the tests import the file."""
+    script = ("import sys, pytest, train_gpt2, test_readme\n"
+              "train_gpt2.CausalSelfAttention = test_readme.worked_change_attention(vars(train_gpt2))\n"
+              "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-m', 'not recipe', 'tests/test_model.py']))\n")
+    path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "failed" not in result.stdout
+    assert " passed" in result.stdout and "failed" not in result.stdout and "skipped" not in result.stdout
 
 
 def test_the_readme_names_torchruns_variables_and_the_rank_that_logs_and_saves():
@@ -117,12 +130,14 @@ def test_the_readme_names_torchruns_variables_and_the_rank_that_logs_and_saves()
 
 
 def test_the_readmes_sliding_window_is_the_one_the_model_tests_run():
-    """"Changing the model" shows the window as one line in visible(); tests/test_model.py applies that line."""
-    from test_model import SLIDING_WINDOW, VISIBLE
+    """"Changing the model" shows the window as visible()'s return line; tests/test_model.py runs that line."""
+    from test_model import sliding_window
 
     part = README.split("## Changing the model", 1)[1]
     window = re.findall(r"```python\n(.*?)```", part, re.S)[1].split("\n", 1)[1]
-    assert window == SLIDING_WINDOW and VISIBLE in SOURCE
+    assert window == inspect.getsource(sliding_window).split("\n", 1)[1]
+    returns = [line for line in inspect.getsource(t.visible).splitlines() if line.lstrip().startswith("return ")]
+    assert len(returns) == 1, f"visible() has {len(returns)} return lines; the README edits its one"
 
 
 # ------------------------------ every command it shows, as written (issue 56)
