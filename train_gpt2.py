@@ -1052,7 +1052,6 @@ def check_config(cfg, world_size):
 
 
 def micro_batch_that_divides(cfg, world_size, at_most):
-    """The largest micro batch up to at_most that divides a step."""
     return next((b for b in range(at_most, 0, -1)
                  if cfg.total_batch_size % (b * cfg.seq_len * world_size) == 0), None)
 
@@ -1130,7 +1129,6 @@ def check_kernels(card, major, minor, arch_list: list[str]):
 
 
 def compile_blocker(major, minor, environ):
-    """Why torch.compile cannot run on this GPU, or None."""
     from torch.utils._triton import has_triton_package
     if major < 7:
         return f"torch.compile needs compute capability 7.0 or more, this GPU has {major}.{minor}"
@@ -1163,7 +1161,6 @@ def check_same_command(cfg, problem: RunError | None, launch):
 
 
 def raise_first_problem(problems: list[str | None]):
-    """Raise the lowest rank's problem, if any, on every rank."""
     for rank, problem in enumerate(problems):
         if problem is not None:
             raise RunError(problem if rank == 0 else f"{problem} (on rank {rank})")
@@ -1239,15 +1236,11 @@ class CheckedRun(Run):
         return model_config, weights
 
     def load_checkpoint(self, path):
-        """Checked (read_checkpoint); --init_from gpt2: OpenAI's; --resume auto: the newest that
-        loads, or None."""
         cfg = self.cfg
         if path == cfg.init_from and path in MODEL_SHAPES:  # as released
             return {"model": load_openai_weights(path), "model_config": init_from_settings(path)[0]}
-        if path == cfg.init_from:
-            return read_checkpoint(path, "--init_from")
         if path != "auto":
-            return read_checkpoint(path)
+            return read_checkpoint(path, "--init_from" if path == cfg.init_from else "--resume")
         for found in checkpoint_paths(cfg.log_dir):
             try:
                 return read_checkpoint(found)
@@ -1257,7 +1250,7 @@ class CheckedRun(Run):
         return None
 
     def token_streams(self):
-        """Checked: a token beyond GPT-2's stops the run. The text downloaded where none is given."""
+        """A token beyond GPT-2's stops the run; the text is downloaded where none is given."""
         cfg = self.cfg
         if not cfg.data_dir and not cfg.text_file and not os.path.exists(TEXT_FILE):
             download(TINY_SHAKESPEARE_URL, TEXT_FILE,
@@ -1304,8 +1297,14 @@ class CheckedRun(Run):
             raise RunError(f"cannot read --text_file {path} ({reason}): give a UTF-8 text "
                            "file") from None
 
-    def tokenizer(self):
-        return gpt2_tokenizer()
+    @staticmethod
+    def tokenizer():
+        try:
+            return Run.tokenizer()
+        except (OSError, ValueError) as error:  # offline; a damaged file
+            raise RunError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
+                           "downloads its two files once; connect to the network, or set "
+                           "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
 
     def hellaswag(self):
         batches = super().hellaswag()
@@ -1342,18 +1341,18 @@ class CheckedRun(Run):
 
     def restore(self, checkpoint, model, optimizers, scaler, loader):
         """The recipe's, saying what differs from the checkpoint's run."""
-        saved, step, tokens = checkpoint["config"], checkpoint["step"], loader.stream.num_tokens
-        if checkpoint["train_tokens"] != tokens:
+        cfg, saved, step = self.cfg, checkpoint["config"], checkpoint["step"]
+        if checkpoint["train_tokens"] != (tokens := loader.stream.num_tokens):
             self.info(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
                       f"{checkpoint['train_tokens']:,}: its data position points at other tokens "
                       "now; resume with the checkpoint's data to go on exactly")
         changed = {f.name: saved.get(f.name) for f in dataclasses.fields(TrainConfig) if f.metadata[
-            "section"] == "optimizer" and saved.get(f.name) != getattr(self.cfg, f.name)}
+            "section"] == "optimizer" and saved.get(f.name) != getattr(cfg, f.name)}
         if changed:  # allowed (to extend a run)
-            old = dataclasses.replace(self.cfg, **{k: v for k, v in changed.items() if v is not None})
-            flags = ", ".join(f"--{k} {v} -> {getattr(self.cfg, k)}" for k, v in changed.items())
-            self.info(f"warning: the optimizer and schedule differ from the checkpoint's ({flags}): "
-                      f"at step {step} the learning rate goes on at {lr_at(step, self.cfg):.4e} "
+            old = dataclasses.replace(cfg, **{k: v for k, v in changed.items() if v is not None})
+            flags = ", ".join(f"--{k} {v} -> {getattr(cfg, k)}" for k, v in changed.items())
+            self.info(f"warning: the optimizer and schedule differ from the checkpoint's ({flags}):"
+                      f" at step {step} the learning rate goes on at {lr_at(step, cfg):.4e} "
                       f"instead of {lr_at(step, old):.4e}")
         return super().restore(checkpoint, model, optimizers, scaler, loader)
 
@@ -1399,8 +1398,7 @@ class CheckedRun(Run):
                 RecordWriter(f).write(event.SerializeToString())
 
     def log(self, record, line):
-        """The recipe's line and record (with MFU), and the record in the files. A failed write
-        is kept as self.problem, to stop every rank at the step's end."""
+        """The recipe's, with MFU; then the files. A failed write stops all at the step's end."""
         if self.cfg.peak_tflops and "ms" in record:
             record["mfu"] = model_flops_utilization(self.flops_per_step, record["ms"],
                                                     self.cfg.peak_tflops, self.launch.world_size)
@@ -1419,16 +1417,14 @@ class CheckedRun(Run):
             self.problem = str(error)
 
     def start(self, model, accum_steps, loader):
-        """The notes, then the start line: every choice made."""
         cfg, W, params = self.cfg, self.launch.world_size, count_parameters(model)
         self.flops_per_step = cfg.total_batch_size * flops_per_token(model.config, params,
                                                                      cfg.seq_len)
         self.epoch = loader.epoch
-        card = f", {torch.cuda.get_device_name(cfg.device)}" if cfg.device.startswith("cuda") else ""
+        card = f", {torch.cuda.get_device_name(cfg.device)}" if "cuda" in cfg.device else ""
         mfu = (f", MFU against {cfg.peak_tflops:g} TFLOP/s" if cfg.peak_tflops else
                ", no MFU: its peak TFLOP/s is unknown, give --peak_tflops" if card else "")
-        sharded = ("optimizer state sharded over the processes; " if cfg.shard_optimizer and W > 1
-                   else "")
+        sharded = "optimizer state sharded over the processes; " * (cfg.shard_optimizer and W > 1)
         self.info("\n".join([*self.notes, (
             f"device {cfg.device}{card} ({cfg.dtype}, compile {'on' if cfg.compile else 'off'}"
             f"{mfu}), {W} process(es); {params:,} parameters; {cfg.total_batch_size:,} tokens "
@@ -1438,7 +1434,6 @@ class CheckedRun(Run):
                 if os.path.isfile(cfg.init_from) else ""))]))
 
     def log_step(self, step, loss, lr, grad_norm, ms, loader):
-        """The recipe's line; then a new epoch's."""
         self.step_ms.append(ms)
         super().log_step(step, loss, lr, grad_norm, ms, loader)
         if loader.epoch > self.epoch:
@@ -1448,7 +1443,6 @@ class CheckedRun(Run):
                      f"were used, starting again{' in a new order' if loader.shuffle else ''}")
 
     def diverged(self, step, loss, grad_norm):
-        """Nothing is saved from this step: name the checkpoint to go back to."""
         saved = checkpoint_paths(self.cfg.log_dir)
         go_back = (f"go on from {saved[0]} (--resume {saved[0]}), or an older checkpoint if the "
                    "loss was rising there already," if saved else "start again")
@@ -1457,13 +1451,10 @@ class CheckedRun(Run):
                        "lower --max_lr or more --warmup_steps")
 
     def stop_requested(self):
-        """A signal to any rank; a failed write or a bad token on any rank is raised on all."""
         return stop_or_fail_together(self.stop_signal["requested"], [self, *self.inputs[2:4]],
                                      self.launch)
 
     def write_checkpoint(self, state, steps_done):
-        """Rank 0 writes it whole, with its sha256, keeping --keep_ckpts; all stop if it could
-        not."""
         path = os.path.join(self.cfg.log_dir, f"ckpt_{steps_done}.pt")
         on_every_rank(self.launch, lambda: state is not None and save_checkpoint(
             path, state, self.cfg.keep_ckpts))
@@ -1473,17 +1464,15 @@ class CheckedRun(Run):
                   f"{step + 1}.pt written: to continue, {RESUME_AUTO}")
 
     def finish(self, start_step):
-        """The summary: median speed after the untimed steps, peak memory; the last checkpoint.
-        Every rank stops if rank 0's log could not be written."""
         cfg = self.cfg
-        if not self.step_ms:
+        if self.step_ms:
+            self.summary()
+            if cfg.ckpt_every and (written := checkpoint_paths(cfg.log_dir)):
+                self.info(f"last checkpoint: {written[0]}")  # this run's last write
+        else:
             self.info(f"nothing to train: the checkpoint is at step {start_step} of --max_steps "
                       f"{cfg.max_steps}")
-        else:
-            self.summary()
-        if self.step_ms and cfg.ckpt_every and (written := checkpoint_paths(cfg.log_dir)):
-            self.info(f"last checkpoint: {written[0]}")  # this run's last write
-        stop_or_fail_together(False, [self], self.launch)
+        stop_or_fail_together(False, [self], self.launch)  # rank 0's log failed: all stop
         super().finish(start_step)
 
     def summary(self):
@@ -1622,7 +1611,6 @@ def load_openai_weights(name):
 
 
 def import_transformers(flag):
-    """transformers, without its warnings and progress bars."""
     import logging
     logging.disable(logging.WARNING)
     try:
@@ -1677,10 +1665,6 @@ def check_resumable(checkpoint: dict, cfg, model_config: GPTConfig):
                        f"--optimizer {trained_with}, or start a new run from its weights with "
                        f"--init_from {checkpoint['path']}")
     check_weights_fit(checkpoint["model"], model_config, checkpoint["path"], "--resume")
-
-
-TINY_SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
-                        "tinyshakespeare/input.txt")
 
 
 def download(url, path, fix):
@@ -1746,15 +1730,8 @@ class CheckedTokenStream(TokenStream):
         return tokens
 
 
-def gpt2_tokenizer():
-    try:
-        return Run.tokenizer()
-    except (OSError, ValueError) as error:  # offline; a damaged file
-        raise RunError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
-                       "downloads its two files once; connect to the network, or set "
-                       "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
-
-
+TINY_SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+                        "tinyshakespeare/input.txt")
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_CACHE = os.path.expanduser("~/.cache/train_gpt2/hellaswag_val.jsonl")
 
@@ -1810,11 +1787,10 @@ def out_of_memory_message(cfg, device, world_size):
 
 # ------------------------------ other run modes
 def generate_samples(cfg, device):
-    """--generate: the samples, then their speed."""
     model = build_model(cfg, *CheckedRun(cfg).initial_weights(), device)
     if not cfg.init_from:
         print("no --init_from: the samples come from untrained weights", flush=True)
-    tokenizer, autocast = gpt2_tokenizer(), autocast_for(cfg.dtype, device)
+    tokenizer, autocast = CheckedRun.tokenizer(), autocast_for(cfg.dtype, device)
     caches, next_token = (compiled_step(model, device) if cfg.compile and cfg.kv_cache
                           else (kv_caches(model, cfg.kv_cache), sample_next))
     started = time.perf_counter()
@@ -1912,7 +1888,7 @@ def export_hf(cfg):
             raise OSError(str(error).partition("I/O error: ")[2]) from None
         for path in glob.glob(os.path.join(folder, "*.safetensors")):  # a tempfile's 0600, not
             shutil.copymode(os.path.join(folder, "config.json"), path)  # the umask's as the rest
-        convert_tiktoken_to_fast(gpt2_tokenizer(), folder)
+        convert_tiktoken_to_fast(CheckedRun.tokenizer(), folder)
         check_export(transformers.GPT2LMHeadModel.from_pretrained(folder), model_config, state)
     write_atomically(cfg.export_hf, write, then="run the same command again")
     print(f"wrote {cfg.init_from} to {cfg.export_hf}: load it with AutoTokenizer.from_pretrained"

@@ -15,7 +15,7 @@ import train_gpt2 as t
 from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, run_python, run_script
 from test_ddp import ONE_THREAD, torchrun
 
-TOKENIZER = t.gpt2_tokenizer()
+TOKENIZER = t.CheckedRun.tokenizer()
 
 
 def test_render_hellaswag_exact_tokens_and_mask():
