@@ -1307,14 +1307,12 @@ class CheckedRun(Run):
                            "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
 
     def hellaswag(self):
-        batches = super().hellaswag()
-        if (longest := max((tokens.size(1) for tokens, _, _ in batches), default=0)) > \
-                self.cfg.block_size:
+        batches, block_size = super().hellaswag(), self.cfg.block_size
+        if (longest := max((tokens.size(1) for tokens, _, _ in batches), default=0)) > block_size:
             fix = "" if self.cfg.eval_only else ", or drop --hellaswag_every"
             raise RunError(f"the longest HellaSwag example in {self.hellaswag_file} takes "
-                           f"{longest} tokens, more than the model's block_size of "
-                           f"{self.cfg.block_size}: HellaSwag needs --block_size {longest} or "
-                           f"more{fix}")
+                           f"{longest} tokens, more than the model's block_size of {block_size}: "
+                           f"HellaSwag needs --block_size {longest} or more{fix}")
         return batches
 
     def hellaswag_examples(self):
@@ -1340,7 +1338,6 @@ class CheckedRun(Run):
         return examples
 
     def restore(self, checkpoint, model, optimizers, scaler, loader):
-        """The recipe's, saying what differs from the checkpoint's run."""
         cfg, saved, step = self.cfg, checkpoint["config"], checkpoint["step"]
         if checkpoint["train_tokens"] != (tokens := loader.stream.num_tokens):
             self.info(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
@@ -1564,9 +1561,8 @@ def read_checkpoint(path, flag="--resume"):
         holds = (f"keys {', '.join(map(str, checkpoint))}" if isinstance(checkpoint, dict)
                  else type(checkpoint).__name__)
         raise RunError(f"{not_ours} of train_gpt2.py (it holds {holds}): {give}")
-    saved, known = checkpoint["model_config"], {f.name for f in dataclasses.fields(GPTConfig)}
-    flags = {f.name for f in dataclasses.fields(TrainConfig)}
-    if unknown := [name for name in saved if name not in known | flags]:
+    saved, known = checkpoint["model_config"], GPTConfig.__dataclass_fields__
+    if unknown := [name for name in saved if name not in known | TrainConfig.__dataclass_fields__]:
         raise RunError(f"{path} holds model field(s) {', '.join(unknown)} that GPTConfig lacks: "
                        "add them to GPTConfig, or use the code that wrote it")
     checkpoint["model_config"] = {k: v for k, v in saved.items() if k in known}
@@ -1833,17 +1829,16 @@ def evaluate_only(cfg, launch, device):
     def read():
         streams = run.token_streams()
         check_token_counts(streams, cfg, with_val=True)
-        val_tokens = streams[1]
         model = build_model(cfg, *run.initial_weights(), device)
         try:
-            return val_tokens, model, run.hellaswag(), None
+            return streams[1], model, run.hellaswag(), None
         except DownloadError as error:
-            return val_tokens, model, None, f"HellaSwag skipped: {error}"
+            return streams[1], model, None, f"HellaSwag skipped: {error}"
     val_tokens, model, hellaswag, missing = on_every_rank(launch, read)
     missing = next(filter(None, gather(missing, launch)), None)  # all skip it, or none
-    autocast, accum_steps = autocast_for(cfg.dtype, device), grad_accum_steps(cfg, launch.world_size)
+    autocast, accum = autocast_for(cfg.dtype, device), grad_accum_steps(cfg, launch.world_size)
     result = {"val_loss": estimate_val_loss(model, validation_loader(val_tokens, cfg, launch),
-                                            cfg.eval_steps, accum_steps, device, autocast, launch)}
+                                            cfg.eval_steps, accum, device, autocast, launch)}
     stop_or_fail_together(False, [val_tokens], launch)  # stops on bad tokens
     if missing is None:
         result.update(evaluate_hellaswag(model, hellaswag, device, autocast, launch))
@@ -1871,7 +1866,10 @@ def export_hf(cfg):
         vocab_size=GPT2_VOCAB_SIZE, n_positions=model_config.block_size, n_embd=model_config.n_embd,
         n_layer=model_config.n_layer, n_head=model_config.n_head, resid_pdrop=model_config.dropout,
         embd_pdrop=model_config.dropout, attn_pdrop=model_config.dropout))
-    ours, gpt2 = state_to_openai(state), hf_model.state_dict()
+    ours = {name: (tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor[:GPT2_VOCAB_SIZE]
+                   if name in ("transformer.wte.weight", "lm_head.weight") else tensor).contiguous()
+            for name, tensor in state.items()}  # transformers' layout, without the padding rows
+    gpt2 = hf_model.state_dict()
     for name in {**ours, **gpt2}:  # a hacked model's (a smaller vocabulary's too) onto GPT-2's
         shapes = [tuple(s[name].shape) if name in s else "absent" for s in (ours, gpt2)]
         if shapes[0] != shapes[1]:
@@ -1894,13 +1892,6 @@ def export_hf(cfg):
     print(f"wrote {cfg.init_from} to {cfg.export_hf}: load it with AutoTokenizer.from_pretrained"
           f"({cfg.export_hf!r}) and GPT2LMHeadModel.from_pretrained({cfg.export_hf!r})", flush=True)
     return cfg.export_hf
-
-
-def state_to_openai(state):
-    """Our state in transformers' layout, without the padding rows."""
-    return {name: (tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor[:GPT2_VOCAB_SIZE]
-                   if name in ("transformer.wte.weight", "lm_head.weight") else tensor).contiguous()
-            for name, tensor in state.items()}
 
 
 def check_export(exported, model_config: GPTConfig, state):
