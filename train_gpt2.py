@@ -966,10 +966,9 @@ def init_from_settings(init_from) -> tuple[dict, dict]:
     """--init_from's (model config, run config), as far as a quick read finds them."""
     if init_from in MODEL_SHAPES:  # OpenAI's
         return {**MODEL_SHAPES[init_from], "block_size": 1024, "vocab_size": GPT2_VOCAB_SIZE}, {}
-    with contextlib.suppress(Exception):  # no file, an unreadable one: check_config or loading
+    with contextlib.suppress(Exception):  # no file, none of ours: check_config or loading say so
         saved = Run.load_checkpoint(init_from)
-        if isinstance(saved, dict):
-            return saved["model_config"], saved["config"]
+        return saved["model_config"], saved["config"]
     return {}, {}
 
 
