@@ -1079,7 +1079,8 @@ def device_settings(cfg, launch) -> tuple[TrainConfig, list[str]]:
         raise RunError(f"--compile cannot run on {card}: {blocker}; use --no-compile")
     peaks = [tf32 if dtype == "float32" else half for pattern, half, tf32 in PEAK_TFLOPS
              if gpu and re.search(pattern, card)]  # the first row that fits, unless given
-    notes = [f"compile off: {blocker} ({COMPILE_GAIN})"] if auto and blocker else []
+    notes = [f"compile off: {blocker} (on an H100 compile trains 1.54x faster: 489k against 317k "
+             "tokens/s)"] if auto and blocker else []
     return dataclasses.replace(cfg, device=device, dtype=dtype, compile=compile, peak_tflops=(
         cfg.peak_tflops if cfg.peak_tflops is not None else next(iter(peaks), None))), notes
 
@@ -1088,7 +1089,6 @@ PEAK_TFLOPS = [  # datasheets' dense (card, 16-bit, TF32) TFLOP/s
     (r"A100", 312, 156), (r"\bA10$", 125, 62.5), (r"\bL4$", 121, 60), (r"L40S$", 362, 183),
     (r"RTX 3090$", 71, 35.6), (r"RTX 4090$", 165, 82.6), (r"V100-SXM", 125, 15.7),
     (r"V100-PCIE", 112, 14), (r"\bT4$", 65, 8.1), (r"GTX 1080 Ti$", 11.3, 11.3)]
-COMPILE_GAIN = "on an H100 compile trains 1.54x faster: 489k against 317k tokens/s"
 
 
 def pick_device(requested, launch, gpu_count, mps_available):
@@ -1564,9 +1564,8 @@ def read_checkpoint(path, flag="--resume"):
     if unknown := [name for name in saved if name not in known | TrainConfig.__dataclass_fields__]:
         raise RunError(f"{path} holds model field(s) {', '.join(unknown)} that GPTConfig lacks: "
                        "add them to GPTConfig, or use the code that wrote it")
-    checkpoint["model_config"] = {k: v for k, v in saved.items() if k in known}
-    checkpoint["path"] = path
-    return checkpoint
+    return {**checkpoint, "path": path,
+            "model_config": {k: v for k, v in saved.items() if k in known}}
 
 def missing_checkpoint(path, flag) -> str:
     """What to say of a --resume or --init_from that is no file: the checkpoints there."""
