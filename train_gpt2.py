@@ -966,9 +966,10 @@ def init_from_settings(init_from) -> tuple[dict, dict]:
     """--init_from's (model config, run config), as far as a quick read finds them."""
     if init_from in MODEL_SHAPES:  # OpenAI's
         return {**MODEL_SHAPES[init_from], "block_size": 1024, "vocab_size": GPT2_VOCAB_SIZE}, {}
-    with contextlib.suppress(Exception):  # no file, none of ours: check_config or loading say so
+    with contextlib.suppress(Exception):  # no file, an unreadable one: check_config or loading
         saved = Run.load_checkpoint(init_from)
-        return saved["model_config"], saved["config"]
+        if isinstance(saved, dict):
+            return saved["model_config"], saved["config"]
     return {}, {}
 
 
