@@ -1166,16 +1166,6 @@ def raise_first_problem(problems: list[str | None]):
             raise RunError(problem if rank == 0 else f"{problem} (on rank {rank})")
 
 
-def on_every_rank(launch, work):
-    """work()'s value; a RunError on any rank is raised on every rank (the lowest rank's)."""
-    try:
-        value, problem = work(), None
-    except RunError as error:
-        value, problem = None, str(error)
-    raise_first_problem(gather(problem, launch))
-    return value
-
-
 @contextlib.contextmanager
 def catching_stop_signals():
     """SIGTERM, SIGHUP, Ctrl-C (not ignored) set ["requested"]; a 2nd Ctrl-C stops."""
@@ -1503,6 +1493,16 @@ def flops_per_token(model_config: GPTConfig, num_params, seq_len):
 
 def model_flops_utilization(flops_per_step, step_ms, peak_tflops, world_size):
     return flops_per_step * 1000 / step_ms / (world_size * peak_tflops * 1e12)
+
+
+def on_every_rank(launch, work):
+    """work()'s value; a RunError on any rank is raised on every rank (the lowest rank's)."""
+    try:
+        value, problem = work(), None
+    except RunError as error:
+        value, problem = None, str(error)
+    raise_first_problem(gather(problem, launch))
+    return value
 
 
 def stop_or_fail_together(signalled, sources: list, launch):
