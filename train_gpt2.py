@@ -1083,7 +1083,6 @@ def check_config(cfg, world_size):
 
 
 def micro_batch_that_divides(cfg, world_size, at_most):
-    """The largest micro batch up to at_most that divides a step."""
     return next((b for b in range(at_most, 0, -1)
                  if cfg.total_batch_size % (b * cfg.seq_len * world_size) == 0), None)
 
@@ -1112,7 +1111,8 @@ def device_settings(cfg, launch) -> tuple[TrainConfig, list[str]]:
         raise RunError(f"--compile cannot run on {card}: {blocker}; use --no-compile")
     peaks = [tf32 if dtype == "float32" else half for pattern, half, tf32 in PEAK_TFLOPS
              if gpu and re.search(pattern, card)]  # the first row that fits, unless given
-    notes = [f"compile off: {blocker} ({COMPILE_GAIN})"] if auto and blocker else []
+    notes = [f"compile off: {blocker} (on an H100 compile trains 1.54x faster: 489k against 317k "
+             "tokens/s)"] if auto and blocker else []
     return dataclasses.replace(cfg, device=device, dtype=dtype, compile=compile, peak_tflops=(
         cfg.peak_tflops if cfg.peak_tflops is not None else next(iter(peaks), None))), notes
 
@@ -1121,7 +1121,6 @@ PEAK_TFLOPS = [  # datasheets' dense (card, 16-bit, TF32) TFLOP/s
     (r"A100", 312, 156), (r"\bA10$", 125, 62.5), (r"\bL4$", 121, 60), (r"L40S$", 362, 183),
     (r"RTX 3090$", 71, 35.6), (r"RTX 4090$", 165, 82.6), (r"V100-SXM", 125, 15.7),
     (r"V100-PCIE", 112, 14), (r"\bT4$", 65, 8.1), (r"GTX 1080 Ti$", 11.3, 11.3)]
-COMPILE_GAIN = "on an H100 compile trains 1.54x faster: 489k against 317k tokens/s"
 
 
 def pick_device(requested, launch, gpu_count, mps_available):
@@ -1161,7 +1160,6 @@ def check_kernels(card, major, minor, arch_list: list[str]):
 
 
 def compile_blocker(major, minor, environ):
-    """Why torch.compile cannot run on this GPU, or None."""
     from torch.utils._triton import has_triton_package
     if major < 7:
         return f"torch.compile needs compute capability 7.0 or more, this GPU has {major}.{minor}"
@@ -1194,20 +1192,9 @@ def check_same_command(cfg, problem: RunError | None, launch):
 
 
 def raise_first_problem(problems: list[str | None]):
-    """Raise the lowest rank's problem, if any, on every rank."""
     for rank, problem in enumerate(problems):
         if problem is not None:
             raise RunError(problem if rank == 0 else f"{problem} (on rank {rank})")
-
-
-def on_every_rank(launch, work):
-    """work()'s value; a RunError on any rank is raised on every rank (the lowest rank's)."""
-    try:
-        value, problem = work(), None
-    except RunError as error:
-        value, problem = None, str(error)
-    raise_first_problem(gather(problem, launch))
-    return value
 
 
 @contextlib.contextmanager
@@ -1270,15 +1257,11 @@ class CheckedRun(Run):
         return model_config, weights
 
     def load_checkpoint(self, path):
-        """Checked (read_checkpoint); --init_from gpt2: OpenAI's; --resume auto: the newest that
-        loads, or None."""
         cfg = self.cfg
         if path == cfg.init_from and path in MODEL_SHAPES:  # as released
             return {"model": load_openai_weights(path), "model_config": init_from_settings(path)[0]}
-        if path == cfg.init_from:
-            return read_checkpoint(path, "--init_from")
         if path != "auto":
-            return read_checkpoint(path)
+            return read_checkpoint(path, "--init_from" if path == cfg.init_from else "--resume")
         for found in checkpoint_paths(cfg.log_dir):
             try:
                 return read_checkpoint(found)
@@ -1288,7 +1271,7 @@ class CheckedRun(Run):
         return None
 
     def token_streams(self):
-        """Checked: a token beyond GPT-2's stops the run. The text downloaded where none is given."""
+        """A token beyond GPT-2's stops the run; the text is downloaded where none is given."""
         cfg = self.cfg
         if not cfg.data_dir and not cfg.text_file and not os.path.exists(TEXT_FILE):
             download(TINY_SHAKESPEARE_URL, TEXT_FILE,
@@ -1335,18 +1318,22 @@ class CheckedRun(Run):
             raise RunError(f"cannot read --text_file {path} ({reason}): give a UTF-8 text "
                            "file") from None
 
-    def tokenizer(self):
-        return gpt2_tokenizer()
+    @staticmethod
+    def tokenizer():
+        try:
+            return Run.tokenizer()
+        except (OSError, ValueError) as error:  # offline; a damaged file
+            raise RunError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
+                           "downloads its two files once; connect to the network, or set "
+                           "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
 
     def hellaswag(self):
-        batches = super().hellaswag()
-        if (longest := max((tokens.size(1) for tokens, _, _ in batches), default=0)) > \
-                self.cfg.block_size:
+        batches, block_size = super().hellaswag(), self.cfg.block_size
+        if (longest := max((tokens.size(1) for tokens, _, _ in batches), default=0)) > block_size:
             fix = "" if self.cfg.eval_only else ", or drop --hellaswag_every"
             raise RunError(f"the longest HellaSwag example in {self.hellaswag_file} takes "
-                           f"{longest} tokens, more than the model's block_size of "
-                           f"{self.cfg.block_size}: HellaSwag needs --block_size {longest} or "
-                           f"more{fix}")
+                           f"{longest} tokens, more than the model's block_size of {block_size}: "
+                           f"HellaSwag needs --block_size {longest} or more{fix}")
         return batches
 
     def hellaswag_examples(self):
@@ -1372,19 +1359,18 @@ class CheckedRun(Run):
         return examples
 
     def restore(self, checkpoint, model, optimizers, scaler, loader):
-        """The recipe's, saying what differs from the checkpoint's run."""
-        saved, step, tokens = checkpoint["config"], checkpoint["step"], loader.stream.num_tokens
-        if checkpoint["train_tokens"] != tokens:
+        cfg, saved, step = self.cfg, checkpoint["config"], checkpoint["step"]
+        if checkpoint["train_tokens"] != (tokens := loader.stream.num_tokens):
             self.info(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
                       f"{checkpoint['train_tokens']:,}: its data position points at other tokens "
                       "now; resume with the checkpoint's data to go on exactly")
         changed = {f.name: saved.get(f.name) for f in dataclasses.fields(TrainConfig) if f.metadata[
-            "section"] == "optimizer" and saved.get(f.name) != getattr(self.cfg, f.name)}
+            "section"] == "optimizer" and saved.get(f.name) != getattr(cfg, f.name)}
         if changed:  # allowed (to extend a run)
-            old = dataclasses.replace(self.cfg, **{k: v for k, v in changed.items() if v is not None})
-            flags = ", ".join(f"--{k} {v} -> {getattr(self.cfg, k)}" for k, v in changed.items())
-            self.info(f"warning: the optimizer and schedule differ from the checkpoint's ({flags}): "
-                      f"at step {step} the learning rate goes on at {lr_at(step, self.cfg):.4e} "
+            old = dataclasses.replace(cfg, **{k: v for k, v in changed.items() if v is not None})
+            flags = ", ".join(f"--{k} {v} -> {getattr(cfg, k)}" for k, v in changed.items())
+            self.info(f"warning: the optimizer and schedule differ from the checkpoint's ({flags}):"
+                      f" at step {step} the learning rate goes on at {lr_at(step, cfg):.4e} "
                       f"instead of {lr_at(step, old):.4e}")
         return super().restore(checkpoint, model, optimizers, scaler, loader)
 
@@ -1430,8 +1416,7 @@ class CheckedRun(Run):
                 RecordWriter(f).write(event.SerializeToString())
 
     def log(self, record, line):
-        """The recipe's line and record (with MFU), and the record in the files. A failed write
-        is kept as self.problem, to stop every rank at the step's end."""
+        """The recipe's, with MFU; then the files. A failed write stops all at the step's end."""
         if self.cfg.peak_tflops and "ms" in record:
             record["mfu"] = model_flops_utilization(self.flops_per_step, record["ms"],
                                                     self.cfg.peak_tflops, self.launch.world_size)
@@ -1450,16 +1435,14 @@ class CheckedRun(Run):
             self.problem = str(error)
 
     def start(self, model, accum_steps, loader):
-        """The notes, then the start line: every choice made."""
         cfg, W, params = self.cfg, self.launch.world_size, count_parameters(model)
         self.flops_per_step = cfg.total_batch_size * flops_per_token(model.config, params,
                                                                      cfg.seq_len)
         self.epoch = loader.epoch
-        card = f", {torch.cuda.get_device_name(cfg.device)}" if cfg.device.startswith("cuda") else ""
+        card = f", {torch.cuda.get_device_name(cfg.device)}" if "cuda" in cfg.device else ""
         mfu = (f", MFU against {cfg.peak_tflops:g} TFLOP/s" if cfg.peak_tflops else
                ", no MFU: its peak TFLOP/s is unknown, give --peak_tflops" if card else "")
-        sharded = ("optimizer state sharded over the processes; " if cfg.shard_optimizer and W > 1
-                   else "")
+        sharded = "optimizer state sharded over the processes; " * (cfg.shard_optimizer and W > 1)
         self.info("\n".join([*self.notes, (
             f"device {cfg.device}{card} ({cfg.dtype}, compile {'on' if cfg.compile else 'off'}"
             f"{mfu}), {W} process(es); {params:,} parameters; {cfg.total_batch_size:,} tokens "
@@ -1469,7 +1452,6 @@ class CheckedRun(Run):
                 if os.path.isfile(cfg.init_from) else ""))]))
 
     def log_step(self, step, loss, lr, grad_norm, ms, loader):
-        """The recipe's line; then a new epoch's."""
         self.step_ms.append(ms)
         super().log_step(step, loss, lr, grad_norm, ms, loader)
         if loader.epoch > self.epoch:
@@ -1479,7 +1461,6 @@ class CheckedRun(Run):
                      f"were used, starting again{' in a new order' if loader.shuffle else ''}")
 
     def diverged(self, step, loss, grad_norm):
-        """Nothing is saved from this step: name the checkpoint to go back to."""
         saved = checkpoint_paths(self.cfg.log_dir)
         go_back = (f"go on from {saved[0]} (--resume {saved[0]}), or an older checkpoint if the "
                    "loss was rising there already," if saved else "start again")
@@ -1488,13 +1469,10 @@ class CheckedRun(Run):
                        "lower --max_lr or more --warmup_steps")
 
     def stop_requested(self):
-        """A signal to any rank; a failed write or a bad token on any rank is raised on all."""
         return stop_or_fail_together(self.stop_signal["requested"], [self, *self.inputs[2:4]],
                                      self.launch)
 
     def write_checkpoint(self, state, steps_done):
-        """Rank 0 writes it whole, with its sha256, keeping --keep_ckpts; all stop if it could
-        not."""
         path = os.path.join(self.cfg.log_dir, f"ckpt_{steps_done}.pt")
         on_every_rank(self.launch, lambda: state is not None and save_checkpoint(
             path, state, self.cfg.keep_ckpts))
@@ -1504,17 +1482,15 @@ class CheckedRun(Run):
                   f"{step + 1}.pt written: to continue, {RESUME_AUTO}")
 
     def finish(self, start_step):
-        """The summary: median speed after the untimed steps, peak memory; the last checkpoint.
-        Every rank stops if rank 0's log could not be written."""
         cfg = self.cfg
-        if not self.step_ms:
+        if self.step_ms:
+            self.summary()
+            if cfg.ckpt_every and (written := checkpoint_paths(cfg.log_dir)):
+                self.info(f"last checkpoint: {written[0]}")  # this run's last write
+        else:
             self.info(f"nothing to train: the checkpoint is at step {start_step} of --max_steps "
                       f"{cfg.max_steps}")
-        else:
-            self.summary()
-        if self.step_ms and cfg.ckpt_every and (written := checkpoint_paths(cfg.log_dir)):
-            self.info(f"last checkpoint: {written[0]}")  # this run's last write
-        stop_or_fail_together(False, [self], self.launch)
+        stop_or_fail_together(False, [self], self.launch)  # rank 0's log failed: all stop
         super().finish(start_step)
 
     def summary(self):
@@ -1548,6 +1524,16 @@ def flops_per_token(model_config: GPTConfig, num_params, seq_len):
 
 def model_flops_utilization(flops_per_step, step_ms, peak_tflops, world_size):
     return flops_per_step * 1000 / step_ms / (world_size * peak_tflops * 1e12)
+
+
+def on_every_rank(launch, work):
+    """work()'s value; a RunError on any rank is raised on every rank (the lowest rank's)."""
+    try:
+        value, problem = work(), None
+    except RunError as error:
+        value, problem = None, str(error)
+    raise_first_problem(gather(problem, launch))
+    return value
 
 
 def stop_or_fail_together(signalled, sources: list, launch):
@@ -1606,14 +1592,12 @@ def read_checkpoint(path, flag="--resume"):
         holds = (f"keys {', '.join(map(str, checkpoint))}" if isinstance(checkpoint, dict)
                  else type(checkpoint).__name__)
         raise RunError(f"{not_ours} of train_gpt2.py (it holds {holds}): {give}")
-    saved, known = checkpoint["model_config"], {f.name for f in dataclasses.fields(GPTConfig)}
-    flags = {f.name for f in dataclasses.fields(TrainConfig)}
-    if unknown := [name for name in saved if name not in known | flags]:
+    saved, known = checkpoint["model_config"], GPTConfig.__dataclass_fields__
+    if unknown := [name for name in saved if name not in known | TrainConfig.__dataclass_fields__]:
         raise RunError(f"{path} holds model field(s) {', '.join(unknown)} that GPTConfig lacks: "
                        "add them to GPTConfig, or use the code that wrote it")
-    checkpoint["model_config"] = {k: v for k, v in saved.items() if k in known}
-    checkpoint["path"] = path
-    return checkpoint
+    return {**checkpoint, "path": path,
+            "model_config": {k: v for k, v in saved.items() if k in known}}
 
 def missing_checkpoint(path, flag) -> str:
     """What to say of a --resume or --init_from that is no file: the checkpoints there."""
@@ -1653,7 +1637,6 @@ def load_openai_weights(name):
 
 
 def import_transformers(flag):
-    """transformers, without its warnings and progress bars."""
     import logging
     logging.disable(logging.WARNING)
     try:
@@ -1708,10 +1691,6 @@ def check_resumable(checkpoint: dict, cfg, model_config: GPTConfig):
                        f"--optimizer {trained_with}, or start a new run from its weights with "
                        f"--init_from {checkpoint['path']}")
     check_weights_fit(checkpoint["model"], model_config, checkpoint["path"], "--resume")
-
-
-TINY_SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
-                        "tinyshakespeare/input.txt")
 
 
 def download(url, path, fix):
@@ -1777,15 +1756,8 @@ class CheckedTokenStream(TokenStream):
         return tokens
 
 
-def gpt2_tokenizer():
-    try:
-        return Run.tokenizer()
-    except (OSError, ValueError) as error:  # offline; a damaged file
-        raise RunError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
-                       "downloads its two files once; connect to the network, or set "
-                       "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
-
-
+TINY_SHAKESPEARE_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/"
+                        "tinyshakespeare/input.txt")
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 HELLASWAG_CACHE = os.path.expanduser("~/.cache/train_gpt2/hellaswag_val.jsonl")
 
@@ -1841,11 +1813,10 @@ def out_of_memory_message(cfg, device, world_size):
 
 # ------------------------------ other run modes
 def generate_samples(cfg, device):
-    """--generate: the samples, then their speed."""
     model = build_model(cfg, *CheckedRun(cfg).initial_weights(), device)
     if not cfg.init_from:
         print("no --init_from: the samples come from untrained weights", flush=True)
-    tokenizer, autocast = gpt2_tokenizer(), autocast_for(cfg.dtype, device)
+    tokenizer, autocast = CheckedRun.tokenizer(), autocast_for(cfg.dtype, device)
     caches, next_token = (compiled_step(model, device) if cfg.compile and cfg.kv_cache
                           else (kv_caches(model, cfg.kv_cache), sample_next))
     started = time.perf_counter()
@@ -1888,17 +1859,16 @@ def evaluate_only(cfg, launch, device):
     def read():
         streams = run.token_streams()
         check_token_counts(streams, cfg, with_val=True)
-        val_tokens = streams[1]
         model = build_model(cfg, *run.initial_weights(), device)
         try:
-            return val_tokens, model, run.hellaswag(), None
+            return streams[1], model, run.hellaswag(), None
         except DownloadError as error:
-            return val_tokens, model, None, f"HellaSwag skipped: {error}"
+            return streams[1], model, None, f"HellaSwag skipped: {error}"
     val_tokens, model, hellaswag, missing = on_every_rank(launch, read)
     missing = next(filter(None, gather(missing, launch)), None)  # all skip it, or none
-    autocast, accum_steps = autocast_for(cfg.dtype, device), grad_accum_steps(cfg, launch.world_size)
+    autocast, accum = autocast_for(cfg.dtype, device), grad_accum_steps(cfg, launch.world_size)
     result = {"val_loss": estimate_val_loss(model, validation_loader(val_tokens, cfg, launch),
-                                            cfg.eval_steps, accum_steps, device, autocast, launch)}
+                                            cfg.eval_steps, accum, device, autocast, launch)}
     stop_or_fail_together(False, [val_tokens], launch)  # stops on bad tokens
     if missing is None:
         result.update(evaluate_hellaswag(model, hellaswag, device, autocast, launch))
@@ -1926,7 +1896,10 @@ def export_hf(cfg):
         vocab_size=GPT2_VOCAB_SIZE, n_positions=model_config.block_size, n_embd=model_config.n_embd,
         n_layer=model_config.n_layer, n_head=model_config.n_head, resid_pdrop=model_config.dropout,
         embd_pdrop=model_config.dropout, attn_pdrop=model_config.dropout))
-    ours, gpt2 = state_to_openai(state), hf_model.state_dict()
+    ours = {name: (tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor[:GPT2_VOCAB_SIZE]
+                   if name in ("transformer.wte.weight", "lm_head.weight") else tensor).contiguous()
+            for name, tensor in state.items()}  # transformers' layout, without the padding rows
+    gpt2 = hf_model.state_dict()
     for name in {**ours, **gpt2}:  # a hacked model's (a smaller vocabulary's too) onto GPT-2's
         shapes = [tuple(s[name].shape) if name in s else "absent" for s in (ours, gpt2)]
         if shapes[0] != shapes[1]:
@@ -1943,19 +1916,12 @@ def export_hf(cfg):
             raise OSError(str(error).partition("I/O error: ")[2]) from None
         for path in glob.glob(os.path.join(folder, "*.safetensors")):  # a tempfile's 0600, not
             shutil.copymode(os.path.join(folder, "config.json"), path)  # the umask's as the rest
-        convert_tiktoken_to_fast(gpt2_tokenizer(), folder)
+        convert_tiktoken_to_fast(CheckedRun.tokenizer(), folder)
         check_export(transformers.GPT2LMHeadModel.from_pretrained(folder), model_config, state)
     write_atomically(cfg.export_hf, write, then="run the same command again")
     print(f"wrote {cfg.init_from} to {cfg.export_hf}: load it with AutoTokenizer.from_pretrained"
           f"({cfg.export_hf!r}) and GPT2LMHeadModel.from_pretrained({cfg.export_hf!r})", flush=True)
     return cfg.export_hf
-
-
-def state_to_openai(state):
-    """Our state in transformers' layout, without the padding rows."""
-    return {name: (tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor[:GPT2_VOCAB_SIZE]
-                   if name in ("transformer.wte.weight", "lm_head.weight") else tensor).contiguous()
-            for name, tensor in state.items()}
 
 
 def check_export(exported, model_config: GPTConfig, state):

@@ -141,7 +141,7 @@ def test_tiny_shakespeare_splits_90_10_by_tokens():
     train, val = t.CheckedRun(cfg).token_streams()
     assert (train.num_tokens, val.num_tokens) == (304_222, 33_803)
     first = train.read(0, 4).tolist()
-    assert first == t.gpt2_tokenizer().encode_ordinary("First Citizen:\n")[:4]
+    assert first == t.CheckedRun.tokenizer().encode_ordinary("First Citizen:\n")[:4]
 
 
 def write_shards(folder, sizes_by_split):

@@ -16,7 +16,7 @@ from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, run_python, run_
 from test_ddp import ONE_THREAD, torchrun
 from test_model import document_mask, visible_as
 
-TOKENIZER = t.gpt2_tokenizer()
+TOKENIZER = t.CheckedRun.tokenizer()
 
 
 def test_render_hellaswag_exact_tokens_and_mask():
