@@ -187,7 +187,7 @@ class GPT(nn.Module):
         x, targets = x.flatten(0, -2), targets.flatten()
         if not self.loss_chunk_size:
             return losses(x, targets)
-        slices = zip(x.split(self.loss_chunk_size), targets.split(self.loss_chunk_size))
+        slices = zip(x.split(self.loss_chunk_size), targets.split(self.loss_chunk_size), strict=True)
         per_token = torch.cat([torch.utils.checkpoint.checkpoint(
             losses, *pair, "none", use_reentrant=False) for pair in slices])
         return per_token.mean() if reduction == "mean" else per_token

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-import train_gpt2
 from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, run_python
 
 ENTRY = "tests/ddp_entry.py"
