@@ -1089,7 +1089,7 @@ def micro_batch_that_divides(cfg, world_size, at_most):
 
 # ------------------------------ the machine's choices
 def device_settings(cfg, launch) -> tuple[TrainConfig, list[str]]:
-    """cfg with the machine's picks (device, dtype, compile, MFU peak); notes."""
+    """cfg with the recipe's machine_choices, checked against the card; compile, MFU's peak; notes."""
     device = pick_device(cfg.device, launch, torch.cuda.device_count(),
                          torch.backends.mps.is_available())
     gpu, card, major, minor, blocker = device.startswith("cuda"), "", 0, 0, None
@@ -1098,23 +1098,20 @@ def device_settings(cfg, launch) -> tuple[TrainConfig, list[str]]:
         major, minor = torch.cuda.get_device_capability(device)
         check_kernels(card, major, minor, torch.cuda.get_arch_list())
         blocker = compile_blocker(major, minor, os.environ)
-        torch.set_float32_matmul_precision("high")  # TF32 for float32 matmuls
-    bf16 = major >= 8 or torch.version.hip is not None  # older GPUs emulate bfloat16
-    dtype = cfg.dtype if cfg.dtype != "auto" else "float32" if not gpu else (
-        "bfloat16" if bf16 else "float16")
-    if gpu and dtype == "bfloat16" and not bf16:
+    if gpu and cfg.dtype == "bfloat16" and major < 8 and not torch.version.hip:  # emulated
         raise RunError(f"--dtype bfloat16: {card} (compute capability {major}.{minor}) has no "
                        "bfloat16 arithmetic: use --dtype float16")
     auto = cfg.compile is None and not cfg.generate  # compiling outlasts --generate
     compile = gpu and not blocker if auto else bool(cfg.compile)  # on CUDA
     if compile and blocker:
         raise RunError(f"--compile cannot run on {card}: {blocker}; use --no-compile")
-    peaks = [tf32 if dtype == "float32" else half for pattern, half, tf32 in PEAK_TFLOPS
+    cfg = machine_choices(dataclasses.replace(cfg, device=device, compile=compile), launch)
+    peaks = [tf32 if cfg.dtype == "float32" else half for pattern, half, tf32 in PEAK_TFLOPS
              if gpu and re.search(pattern, card)]  # the first row that fits, unless given
     notes = [f"compile off: {blocker} (on an H100 compile trains 1.54x faster: 489k against 317k "
              "tokens/s)"] if auto and blocker else []
-    return dataclasses.replace(cfg, device=device, dtype=dtype, compile=compile, peak_tflops=(
-        cfg.peak_tflops if cfg.peak_tflops is not None else next(iter(peaks), None))), notes
+    return dataclasses.replace(cfg, peak_tflops=cfg.peak_tflops if cfg.peak_tflops is not None
+                               else next(iter(peaks), None)), notes
 
 PEAK_TFLOPS = [  # datasheets' dense (card, 16-bit, TF32) TFLOP/s
     (r"H100 80GB HBM3|H100 SXM", 989, 495), (r"H100 PCIe", 756, 378), (r"H200$", 989, 495),
