@@ -187,9 +187,10 @@ class GPT(nn.Module):
         x, targets = x.flatten(0, -2), targets.flatten()
         if not self.loss_chunk_size:
             return losses(x, targets)
-        slices = zip(x.split(self.loss_chunk_size), targets.split(self.loss_chunk_size), strict=True)
-        per_token = torch.cat([torch.utils.checkpoint.checkpoint(
-            losses, *pair, "none", use_reentrant=False) for pair in slices])
+        n = self.loss_chunk_size
+        per_token = torch.cat([torch.utils.checkpoint.checkpoint(losses, *pair, "none",
+                                                                 use_reentrant=False)
+                               for pair in zip(x.split(n), targets.split(n), strict=True)])
         return per_token.mean() if reduction == "mean" else per_token
 
 
@@ -510,7 +511,7 @@ class Run:
 
     def __init__(self, cfg: TrainConfig, launch: Launch | None = None):
         self.launch = launch or launch_from_env(os.environ)
-        self.cfg, self.records = machine_choices(cfg, self.launch), []
+        self.cfg, self.records, self.step_ms = machine_choices(cfg, self.launch), [], []
         self.owns_group = self.launch.torchrun and not dist.is_initialized()
         if self.owns_group:  # else main() has joined it
             init_distributed(self.launch, self.cfg.device)
@@ -614,11 +615,14 @@ class Run:
             self.info(line)
 
     def log_step(self, step, loss, lr, grad_norm, ms, loader):
-        tokens_per_s = self.cfg.total_batch_size * 1000 / ms
+        cfg, tokens_per_s = self.cfg, self.cfg.total_batch_size * 1000 / ms
+        self.step_ms.append(ms)  # the time left: the median step so far, each step to come
+        left = datetime.timedelta(seconds=round(np.median(self.step_ms) / 1000 * (
+            cfg.max_steps - step - 1)))
         self.log({"step": step, "train_loss": loss, "lr": lr, "grad_norm": grad_norm, "ms": ms,
-                  "tokens_per_s": tokens_per_s}, f"step {step:5d}/{self.cfg.max_steps} | loss "
+                  "tokens_per_s": tokens_per_s}, f"step {step:5d}/{cfg.max_steps} | loss "
                  f"{loss:.6f} | lr {lr:.4e} | norm {grad_norm:.4f} | {ms:.0f} ms | "
-                 f"{tokens_per_s:,.0f} tok/s")
+                 f"{tokens_per_s:,.0f} tok/s | {left} left")
 
     def log_scores(self, step, scores: dict):  # after step (-1: before training)
         self.log({"step": step, **scores}, f"step {step:5d}/{self.cfg.max_steps} | " + (
@@ -1089,7 +1093,7 @@ def micro_batch_that_divides(cfg, world_size, at_most):
 
 # ------------------------------ the machine's choices
 def device_settings(cfg, launch) -> tuple[TrainConfig, list[str]]:
-    """cfg with the recipe's machine_choices, checked against the card; compile, MFU's peak; notes."""
+    """cfg with the recipe's machine_choices, checked against the card; compile; MFU's peak."""
     device = pick_device(cfg.device, launch, torch.cuda.device_count(),
                          torch.backends.mps.is_available())
     gpu, card, major, minor, blocker = device.startswith("cuda"), "", 0, 0, None
@@ -1220,7 +1224,7 @@ class CheckedRun(Run):
 
     def __init__(self, cfg, launch=None, stop_signal=None, notes=()):
         super().__init__(cfg, launch)
-        self.stop_signal, self.notes, self.step_ms = stop_signal or {"requested": False}, notes, []
+        self.stop_signal, self.notes = stop_signal or {"requested": False}, notes
         self.path, self.problem, self.epoch = os.path.join(cfg.log_dir, "metrics.jsonl"), None, 0
 
     def read_inputs(self) -> Inputs:
@@ -1361,11 +1365,12 @@ class CheckedRun(Run):
             self.info(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
                       f"{checkpoint['train_tokens']:,}: its data position points at other tokens "
                       "now; resume with the checkpoint's data to go on exactly")
-        changed = {f.name: saved.get(f.name) for f in dataclasses.fields(TrainConfig) if f.metadata[
-            "section"] == "optimizer" and saved.get(f.name) != getattr(cfg, f.name)}
-        if changed:  # allowed (to extend a run)
-            old = dataclasses.replace(cfg, **{k: v for k, v in changed.items() if v is not None})
-            flags = ", ".join(f"--{k} {v} -> {getattr(cfg, k)}" for k, v in changed.items())
+        differing = changed(saved, cfg, [f.name for f in dataclasses.fields(TrainConfig)
+                                         if f.metadata["section"] == "optimizer"])
+        if differing:  # allowed (to extend a run)
+            old = dataclasses.replace(cfg, **{k: v for k, (v, _) in differing.items()
+                                              if v is not None})
+            flags = ", ".join(f"--{k} {v} -> {now}" for k, (v, now) in differing.items())
             self.info(f"warning: the optimizer and schedule differ from the checkpoint's ({flags}):"
                       f" at step {step} the learning rate goes on at {lr_at(step, cfg):.4e} "
                       f"instead of {lr_at(step, old):.4e}")
@@ -1440,16 +1445,16 @@ class CheckedRun(Run):
         mfu = (f", MFU against {cfg.peak_tflops:g} TFLOP/s" if cfg.peak_tflops else
                ", no MFU: its peak TFLOP/s is unknown, give --peak_tflops" if card else "")
         sharded = "optimizer state sharded over the processes; " * (cfg.shard_optimizer and W > 1)
+        processes = f"{W} process{'es' * (W > 1)}"
         self.info("\n".join([*self.notes, (
             f"device {cfg.device}{card} ({cfg.dtype}, compile {'on' if cfg.compile else 'off'}"
-            f"{mfu}), {W} process(es); {params:,} parameters; {cfg.total_batch_size:,} tokens "
-            f"per step = {accum_steps} micro-steps x {W} process(es) x {cfg.micro_batch_size} "
-            f"x {cfg.seq_len}; {sharded}{loader.stream.num_tokens:,} train tokens" + (
+            f"{mfu}), {processes}; {params:,} parameters; {cfg.total_batch_size:,} tokens per "
+            f"step = {accum_steps} micro-step{'s' * (accum_steps > 1)} x {processes} x "
+            f"{cfg.micro_batch_size} x {cfg.seq_len}; {sharded}{loader.stream.num_tokens:,} train tokens" + (
                 f"; flags not given: {cfg.init_from}'s seq_len, batch sizes, eval_steps"
                 if os.path.isfile(cfg.init_from) else ""))]))
 
     def log_step(self, step, loss, lr, grad_norm, ms, loader):
-        self.step_ms.append(ms)
         super().log_step(step, loss, lr, grad_norm, ms, loader)
         if loader.epoch > self.epoch:
             self.epoch = loader.epoch
@@ -1672,16 +1677,20 @@ def check_weights_fit(weights: dict, model_config: GPTConfig, source, flag):
                        "run, or use the code that wrote it")
 
 
+def changed(saved: dict, now, names) -> dict:
+    """{name: (its saved value, now's)} for each of names whose values differ."""
+    return {name: (saved.get(name), getattr(now, name)) for name in names
+            if saved.get(name) != getattr(now, name)}
+
+
 def check_resumable(checkpoint: dict, cfg, model_config: GPTConfig):
-    saved = GPTConfig(**{**checkpoint["model_config"], "dropout": cfg.dropout})
-    differing = [f"{name} {value} -> {getattr(model_config, name)}"
-                 for name, value in vars(saved).items() if value != getattr(model_config, name)]
-    differing += [f"{name} {checkpoint['config'][name]} -> {getattr(cfg, name)}"
-                  for name in ("total_batch_size", "seq_len")  # the data position's unit
-                  if checkpoint["config"][name] != getattr(cfg, name)]
+    saved = vars(GPTConfig(**{**checkpoint["model_config"], "dropout": cfg.dropout}))
+    differing = {**changed(saved, model_config, saved),  # and the data position's unit:
+                 **changed(checkpoint["config"], cfg, ("total_batch_size", "seq_len"))}
     if differing:
-        raise RunError(f"cannot resume from {checkpoint['path']}: {', '.join(differing)} (they "
-                       "define its weights, schedule and data position): use its values")
+        raise RunError(f"cannot resume from {checkpoint['path']}: " + ", ".join(
+            f"{name} {old} -> {new}" for name, (old, new) in differing.items()) + " (they "
+            "define its weights, schedule and data position): use its values")
     if (trained_with := checkpoint["config"]["optimizer"]) != cfg.optimizer:
         raise RunError(f"cannot resume from {checkpoint['path']} with --optimizer "
                        f"{cfg.optimizer}: it holds {trained_with}'s state; resume with "

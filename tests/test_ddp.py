@@ -96,7 +96,7 @@ def test_two_processes_on_one_machine_or_two_train_exactly_like_one(tmp_path):
     one_params, two_params = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
     for name, value in one_params.items():
         assert (value - two_params[name]).abs().max().item() <= 1e-6, name
-    assert "2 process(es)" in two.stdout
+    assert "2 processes" in two.stdout
     assert two.stdout.count("step     5/6 | loss") == 1  # rank 0 alone prints
     assert nodes[0][1].count("step     5/6 | loss") == 1 and nodes[1][1] == ""  # rank 0 is on node 0
 
@@ -237,7 +237,7 @@ def test_compiled_ddp_with_accumulation_trains_like_one_eager_process(tmp_path):
     one = run_python(["train_gpt2.py"] + flags + ["--log_dir", str(tmp_path / "one")], env=ONE_THREAD)
     two = torchrun(2, ["train_gpt2.py"] + flags + ["--compile", "--log_dir", str(tmp_path / "two")])
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
-    assert "compile on), 2 process(es)" in two.stdout
+    assert "compile on), 2 processes" in two.stdout
     eager = [r["train_loss"] for r in records(tmp_path / "one") if "train_loss" in r]
     compiled = [r["train_loss"] for r in records(tmp_path / "two") if "train_loss" in r]
     assert len(eager) == 3 and max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-4

@@ -71,7 +71,7 @@ def gpu(monkeypatch, tmp_path, capsys):
 
 
 def start(card, detail):
-    return f"device cuda:0, {card} ({detail}), 1 process(es); 1,637,248 parameters; 256 tokens per step"
+    return f"device cuda:0, {card} ({detail}), 1 process; 1,637,248 parameters; 256 tokens per step"
 
 
 @pytest.mark.parametrize("card, name, bfloat16, peak", [

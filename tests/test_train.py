@@ -3,6 +3,7 @@ import dataclasses
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -452,3 +453,19 @@ def test_a_parameter_with_no_gradient_is_one_line_before_any_optimizer_step(tmp_
         "error: transformer.h.0.attn.value_gain got no gradient: use it in forward, or set its requires_grad to "
         "False (DDP waits for a gradient from each)\n")
     assert not list((tmp_path / "log").glob("ckpt_*.pt"))  # no step was taken
+
+
+def test_each_step_line_ends_with_the_time_left_and_the_start_line_counts_in_singular_and_plural(tmp_path, capsys):
+    """No line said how long was left, and the start line said "1 micro-steps x 1 process(es)" (issue 62)."""
+    import datetime
+    import re
+
+    result = run(["--max_steps", "3", "--total_batch_size", "128"], tmp_path)
+    out = capsys.readouterr().out
+    assert "= 1 micro-step x 1 process x 4 x 32;" in out and ", 1 process;" in out
+    lefts = re.findall(r"^step +\d+/3 \| .* tok/s \| (\S+) left$", out, re.M)
+    ms = [r["ms"] for r in result.records if "ms" in r]
+    assert lefts == [str(datetime.timedelta(seconds=round(float(np.median(ms[: i + 1])) / 1000 * (2 - i))))
+                     for i in range(3)] and lefts[-1] == "0:00:00"
+    run(["--max_steps", "2"], tmp_path, "two")
+    assert "= 2 micro-steps x 1 process x 4 x 32;" in capsys.readouterr().out
