@@ -1450,7 +1450,8 @@ class CheckedRun(Run):
             f"device {cfg.device}{card} ({cfg.dtype}, compile {'on' if cfg.compile else 'off'}"
             f"{mfu}), {processes}; {params:,} parameters; {cfg.total_batch_size:,} tokens per "
             f"step = {accum_steps} micro-step{'s' * (accum_steps > 1)} x {processes} x "
-            f"{cfg.micro_batch_size} x {cfg.seq_len}; {sharded}{loader.stream.num_tokens:,} train tokens" + (
+            f"{cfg.micro_batch_size} x {cfg.seq_len}; {sharded}"
+            f"{loader.stream.num_tokens:,} train tokens" + (
                 f"; flags not given: {cfg.init_from}'s seq_len, batch sizes, eval_steps"
                 if os.path.isfile(cfg.init_from) else ""))]))
 
