@@ -899,7 +899,9 @@ def print_samples(model: GPT, tokenizer, cfg, autocast, caches, next_token=sampl
 import argparse
 import difflib
 import hashlib
+import importlib.metadata
 import importlib.util
+import platform
 import re
 import shutil
 import signal
@@ -944,7 +946,7 @@ def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str
         elif cfg.eval_only:
             result = evaluate_only(cfg, launch, device)
         else:
-            with catching_stop_signals() as stop_signal:
+            with catching_stop_signals(launch.rank == 0) as stop_signal:
                 result = train(cfg, CheckedRun(cfg, launch, stop_signal, notes))
     except RunError as error:  # on every rank: rank 0 says it
         if launch.rank == 0:
@@ -1199,13 +1201,16 @@ def raise_first_problem(problems: list[str | None]):
 
 
 @contextlib.contextmanager
-def catching_stop_signals():
-    """SIGTERM, SIGHUP, Ctrl-C (not ignored) set ["requested"]; a 2nd Ctrl-C stops."""
+def catching_stop_signals(say: bool):
+    """SIGTERM, SIGHUP, Ctrl-C (not ignored) set ["requested"], said at once; a 2nd Ctrl-C stops."""
     stop = {"requested": False}
 
     def handle(signum, frame):
         if stop["requested"] and signum == signal.SIGINT:
             raise KeyboardInterrupt
+        if say and not stop["requested"]:  # os.write: a print may be half done beneath us
+            os.write(2, f"{signal.Signals(signum).name}: the step ends, a checkpoint is written, "
+                     "then the run stops (a second Ctrl-C stops at once)\n".encode())
         stop["requested"] = True
     previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGTERM,
                 signal.SIGHUP, signal.SIGINT) if signal.getsignal(signum) is not signal.SIG_IGN}
@@ -1225,6 +1230,7 @@ class CheckedRun(Run):
     def __init__(self, cfg, launch=None, stop_signal=None, notes=()):
         super().__init__(cfg, launch)
         self.stop_signal, self.notes = stop_signal or {"requested": False}, notes
+        self.sources = {}  # the checkpoints read, by flag: the code that wrote them
         self.path, self.problem, self.epoch = os.path.join(cfg.log_dir, "metrics.jsonl"), None, 0
 
     def read_inputs(self) -> Inputs:
@@ -1262,10 +1268,13 @@ class CheckedRun(Run):
         if path == cfg.init_from and path in MODEL_SHAPES:  # as released
             return {"model": load_openai_weights(path), "model_config": init_from_settings(path)[0]}
         if path != "auto":
-            return read_checkpoint(path, "--init_from" if path == cfg.init_from else "--resume")
+            flag = "--init_from" if path == cfg.init_from else "--resume"
+            self.sources[flag] = checkpoint = read_checkpoint(path, flag)
+            return checkpoint
         for found in checkpoint_paths(cfg.log_dir):
             try:
-                return read_checkpoint(found)
+                self.sources["--resume"] = checkpoint = read_checkpoint(found)
+                return checkpoint
             except RunError as error:
                 self.info(f"warning: skipping {error}")
         self.info(f"--resume auto: no checkpoint in {cfg.log_dir}, starting from scratch")
@@ -1391,9 +1400,17 @@ class CheckedRun(Run):
             with open(self.path) as f:
                 for line in f:  # a summary or a cut line has no step: dropped
                     with contextlib.suppress(json.JSONDecodeError):
-                        if json.loads(line).get("step", resume_step) < resume_step:
+                        if "run" in (record := json.loads(line)) or record.get(
+                                "step", resume_step) < resume_step:
                             kept.append(line)
-        write_atomically(self.path, lambda temporary: Path(temporary).write_text("".join(kept)))
+        card = torch.cuda.get_device_name(cfg.device) if "cuda" in cfg.device else ""
+        run = {"run": {"flags": dataclasses.asdict(cfg), "resumed_at": resume_step,  # what it is
+                       "torch": torch.__version__, "numpy": np.__version__,
+                       "tiktoken": importlib.metadata.version("tiktoken"), "device": cfg.device,
+                       "device_name": card or platform.processor(), "world_size":
+                       self.launch.world_size, "train_gpt2_sha256": file_sha256(__file__)}}
+        write_atomically(self.path, lambda temporary: Path(temporary).write_text(
+            "".join(kept) + json.dumps(run) + "\n"))
         remove_killed_writes(cfg.log_dir)
         if cfg.tensorboard:
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
@@ -1453,7 +1470,18 @@ class CheckedRun(Run):
             f"{cfg.micro_batch_size} x {cfg.seq_len}; {sharded}"
             f"{loader.stream.num_tokens:,} train tokens" + (
                 f"; flags not given: {cfg.init_from}'s seq_len, batch sizes, eval_steps"
-                if os.path.isfile(cfg.init_from) else ""))]))
+                if os.path.isfile(cfg.init_from) else "") + "".join(
+                f"; {flag} {saved['path']} was written by a train_gpt2.py {apart} lines apart"
+                for flag, saved, apart in self.code_changes()))]))
+
+    def code_changes(self):
+        """(flag, checkpoint, lines added or removed) where a checkpoint's code differs."""
+        this = Path(__file__).read_text().splitlines()
+        for flag, saved in self.sources.items():
+            diff = difflib.unified_diff(saved.get("source", "").splitlines(), this, n=0)
+            apart = sum(line[:1] in "+-" and line[:3] not in ("+++", "---") for line in diff)
+            if saved.get("source") and apart:
+                yield flag, saved, apart
 
     def log_step(self, step, loss, lr, grad_norm, ms, loader):
         super().log_step(step, loss, lr, grad_norm, ms, loader)
@@ -1478,7 +1506,7 @@ class CheckedRun(Run):
     def write_checkpoint(self, state, steps_done):
         path = os.path.join(self.cfg.log_dir, f"ckpt_{steps_done}.pt")
         on_every_rank(self.launch, lambda: state is not None and save_checkpoint(
-            path, state, self.cfg.keep_ckpts))
+            path, {**state, "source": Path(__file__).read_text()}, self.cfg.keep_ckpts))
 
     def stopped(self, step, reason):
         self.info(f"stopped by {reason} after step {step}, checkpoint {self.cfg.log_dir}/ckpt_"

@@ -348,6 +348,7 @@ def test_a_signal_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path, sign
     out, err = process.communicate(timeout=60)
     assert process.returncode == 0, err
     assert time.monotonic() - signalled < 10
+    assert err == f"{signum.name}: {ANSWERED}\n"  # at once, before the step ends
     stop_line = [line for line in out.splitlines() if line.startswith("stopped by a signal")][0]
     stopped_after = int(stop_line.split("after step ")[1].split(",")[0])
     assert stopped_after <= 4  # the step in progress, or the one after it
@@ -358,17 +359,20 @@ def test_a_signal_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path, sign
     assert t.read_checkpoint(str(tmp_path / f"ckpt_{stopped_after + 1}.pt"))["step"] == stopped_after + 1
 
 
+ANSWERED = "the step ends, a checkpoint is written, then the run stops (a second Ctrl-C stops at once)"
+
+
 @pytest.mark.parametrize("ckpt_every", [2, 0])
 def test_a_second_ctrl_c_stops_at_once_with_one_line_saying_what_is_lost(tmp_path, ckpt_every):
-    """It ended in a KeyboardInterrupt traceback. Steps of 64 micro-steps (about a second): both Ctrl-Cs land in
-    step 3, after ckpt_2.pt and before the checkpoint the first one asks for at the end of the step."""
+    """It ended in a KeyboardInterrupt traceback. Steps of 64 micro-steps (a second or more): both Ctrl-Cs land in
+    step 3, after ckpt_2.pt and before the checkpoint the first one asks for at the end of the step. The second is
+    sent once the first is answered, however long a step takes (two pending signals would be one)."""
     args = TINY_ARGS + ["--max_steps", "100000", "--total_batch_size", str(256 * 64), "--ckpt_every",
                         str(ckpt_every), "--log_dir", str(tmp_path)]
     process = start_training(["train_gpt2.py"] + args)
     wait_for_line(process, "step     2/100000")
-    time.sleep(0.2)
     process.send_signal(signal.SIGINT)
-    time.sleep(0.2)  # the first is handled before the second comes: two pending signals would be one
+    assert process.stderr.readline() == f"SIGINT: {ANSWERED}\n"
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=60)
     assert "stopped by a signal" not in out and process.returncode == 130
@@ -415,6 +419,8 @@ def test_sigterm_to_torchrun_checkpoints_once_and_every_rank_exits_cleanly(tmp_p
     process.send_signal(signal.SIGTERM)  # torchrun forwards it to both workers
     out, err = process.communicate(timeout=60)
     assert out.count("stopped by a signal") == 1, out + err
+    # what the README says the user sees: rank 0's line at once, then torchrun's own SignalException, exit 1
+    assert err.count(f"SIGTERM: {ANSWERED}\n") == 1 and "SignalException" in err and process.returncode == 1, err
     assert len(list(tmp_path.glob("ckpt_*.pt"))) == 1
     assert "exitcode  : 1" not in err and "Traceback (most recent call last):\n  File \"" + str(ROOT) not in err
 
@@ -525,3 +531,20 @@ def test_resume_checks_a_model_field_a_hacker_adds_and_names_a_changed_flag_adde
     assert stopped.value.code == 2
     assert capsys.readouterr().err == (f"error: cannot resume from {tmp_path / 'ckpt_8.pt'}: n_kv_head 2 -> 1 (they "
                                        "define its weights, schedule and data position): use its values\n")
+
+
+def test_a_checkpoint_holds_its_code_and_going_on_with_other_code_says_how_far_apart(tmp_path, capsys):
+    """A hacker who edits the file and runs --resume auto went on from a checkpoint of other code without a word."""
+    run(["--stop_after_steps", "2"], tmp_path)
+    path = tmp_path / "ckpt_2.pt"
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["source"] == (ROOT / "train_gpt2.py").read_text()
+    checkpoint["source"] += "# a line the hacker added\n# and another\n"  # the code that wrote it, other than this
+    torch.save(checkpoint, path)
+    Path(f"{path}.sha256").write_text(t.file_sha256(str(path)) + "\n")
+    capsys.readouterr()
+    run(["--resume", "auto"], tmp_path)
+    out = capsys.readouterr().out
+    assert f"; --resume {path} was written by a train_gpt2.py 2 lines apart\n" in out
+    first_records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "run" in line[:8]]
+    assert [r["run"]["resumed_at"] for r in first_records] == [None, 2]  # each start of the run is recorded

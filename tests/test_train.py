@@ -1,7 +1,9 @@
 import contextlib
 import dataclasses
+import importlib.metadata
 import json
 import math
+import platform
 
 import numpy as np
 import pytest
@@ -38,7 +40,16 @@ def test_same_seed_gives_identical_losses_and_another_seed_does_not(one_thread, 
 def test_metrics_file_holds_every_record_and_a_summary(tmp_path):
     result = run(["--max_steps", "6", "--eval_every", "3", "--eval_steps", "2"], tmp_path)
     lines = (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line) for line in lines] == result.records
+    first, *rest = [json.loads(line) for line in lines]
+    assert rest == result.records
+    # first, what the run is (issue 62): every flag, the versions, the device, the code's sha256
+    assert first["run"] == {"flags": first["run"]["flags"], "resumed_at": None, "torch": torch.__version__,
+                            "numpy": np.__version__, "tiktoken": importlib.metadata.version("tiktoken"), "device": "cpu",
+                            "device_name": platform.processor(), "world_size": 1,
+                            "train_gpt2_sha256": t.file_sha256(t.__file__)}
+    assert first["run"]["flags"] == dataclasses.asdict(dataclasses.replace(
+        t.parse_args(TINY_ARGS + ["--max_steps", "6", "--eval_every", "3", "--eval_steps", "2", "--log_dir",
+                                  str(tmp_path / "log")]), dtype="float32", compile=False))
     assert [r["step"] for r in result.records if "val_loss" in r] == [-1, 2, 5]  # -1: before training
     train_records = [r for r in result.records if "train_loss" in r]
     assert [r["step"] for r in train_records] == [0, 1, 2, 3, 4, 5]
