@@ -287,12 +287,16 @@ class Launch:
     world_size: int = 1
     torchrun: bool = False  # under torchrun: a process group, even for one process
     local_world_size: int = 1  # processes on this machine
+    restarts: int = 0  # times torchrun (--max-restarts) has restarted the workers
 
 
 def launch_from_env(environ) -> Launch:
     """torchrun's variables, read here alone: everything else is handed the Launch."""
+    if "RANK" not in environ:
+        return Launch()
     return Launch(int(environ["RANK"]), int(environ["LOCAL_RANK"]), int(environ["WORLD_SIZE"]),
-                  True, int(environ["LOCAL_WORLD_SIZE"])) if "RANK" in environ else Launch()
+                  True, int(environ["LOCAL_WORLD_SIZE"]),
+                  int(environ.get("TORCHELASTIC_RESTART_COUNT", 0)))
 
 
 def init_distributed(launch: Launch, device: str):
@@ -1231,6 +1235,10 @@ class CheckedRun(Run):
         super().__init__(cfg, launch)
         self.stop_signal, self.notes = stop_signal or {"requested": False}, notes
         self.sources = {}  # the checkpoints read, by flag: the code that wrote them
+        if self.launch.restarts and not cfg.resume:  # torchrun restarted the workers: go on
+            self.cfg = dataclasses.replace(self.cfg, resume="auto")
+            self.notes = [*notes, f"torchrun's restart {self.launch.restarts}: going on from the "
+                          f"newest checkpoint in {cfg.log_dir}"]
         self.path, self.problem, self.epoch = os.path.join(cfg.log_dir, "metrics.jsonl"), None, 0
 
     def read_inputs(self) -> Inputs:

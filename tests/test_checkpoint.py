@@ -125,11 +125,13 @@ def test_resume_is_exact_under_two_processes_after_torchrun_restarts_a_crashed_j
     # rank 1 crashes at step 5; torchrun restarts both ranks, which go on from ckpt_4.pt as if nothing happened.
     # Without the variable, restarted ranks can read the last attempt's addresses from torchrun's shared store and
     # fail to connect (PyTorch #135712, #167288): 3 of 4 tries here failed without it, 5 of 5 passed with it.
-    restarted = two_processes(tmp_path / "restarted", "--ckpt_every", "2", "--resume", "auto",
+    # No --resume auto: a restart goes on from the newest checkpoint of its --log_dir, saying so (issue 62).
+    restarted = two_processes(tmp_path / "restarted", "--ckpt_every", "2",
                               entry=("crash_once", "1", "5"), torchrun_flags=("--max-restarts=1",),
                               env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert "injected failure on rank 1 at step 5" in restarted.stderr
     assert "resumed from step 4" in restarted.stdout
+    assert f"torchrun's restart 1: going on from the newest checkpoint in {tmp_path / 'restarted'}\n" in restarted.stdout
     assert logged(tmp_path / "restarted") == logged(tmp_path / "straight")
     assert_same_weights(torch.load(tmp_path / "restarted" / "final.pt"),
                         torch.load(tmp_path / "straight" / "final.pt"))
