@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import signal
@@ -69,9 +70,15 @@ def test_a_checkpoint_the_disk_cannot_take_stops_with_one_line_and_the_run_resum
     assert_same_weights(torch.load(log_dir / "ckpt_8.pt")["model"], torch.load(tmp_path / "straight" / "ckpt_8.pt")["model"])
 
 
+def after_the_run_record(args, room):
+    """A limit on a file's size: metrics.jsonl's first record (the run's flags, versions, ...: some 250 bytes and
+    the flags as JSON) and room for more."""
+    return len(json.dumps(dataclasses.asdict(t.parse_args(args)))) + 300 + room
+
+
 def test_a_log_the_disk_cannot_take_stops_with_one_line_leaving_whole_records(tmp_path):
-    result = run_script(EIGHT_STEPS + ["--eval_every", "0", "--log_dir", str(tmp_path)], env=ONE_THREAD,
-                        max_file_bytes=1_000)  # some 170 bytes a step
+    args = EIGHT_STEPS + ["--eval_every", "0", "--log_dir", str(tmp_path)]
+    result = run_script(args, env=ONE_THREAD, max_file_bytes=after_the_run_record(args, 1_000))  # 170 bytes a step
     assert one_line_error(result) == no_room(tmp_path / "metrics.jsonl")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no checkpoint, no temporary file
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -92,8 +99,8 @@ def test_a_checkpoint_the_disk_cannot_take_under_torchrun_stops_every_rank_with_
 
 def test_a_log_the_disk_cannot_take_under_torchrun_stops_every_rank_with_one_line(tmp_path):
     """Rank 0 alone writes the log: the others hear of its failed write at the end of the step."""
-    result = torchrun(2, ["train_gpt2.py"] + EIGHT_STEPS + ["--eval_every", "0", "--log_dir", str(tmp_path)],
-                      timeout=120, max_file_bytes=1_000)
+    args = EIGHT_STEPS + ["--eval_every", "0", "--log_dir", str(tmp_path)]
+    result = torchrun(2, ["train_gpt2.py"] + args, timeout=120, max_file_bytes=after_the_run_record(args, 1_000))
     assert_every_rank_stopped_with_one_line(result, no_room(tmp_path / "metrics.jsonl"))
     assert 'train_gpt2.py", line' not in result.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
@@ -200,7 +207,7 @@ def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):
     run(["--max_steps", "3", "--warmup_steps", "1"], tmp_path)
     checkpoint = torch.load(tmp_path / "ckpt_3.pt", weights_only=True)  # the safe loader reads it
     assert set(checkpoint) == {"model", "model_config", "optimizer", "scaler", "step", "config", "windows_consumed",
-                               "train_tokens", "rng"}
+                               "train_tokens", "rng", "source"}  # source: the train_gpt2.py that wrote it
     assert checkpoint["model_config"] == {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64,
                                           "vocab_size": 50304, "dropout": 0.0}  # what the weights mean
     assert checkpoint["step"] == 3 and checkpoint["windows_consumed"] == 24

@@ -87,10 +87,13 @@ def test_without_the_tensorboard_package_it_is_one_line_before_any_work(tmp_path
 
 
 def test_an_events_file_the_disk_cannot_take_stops_the_run_with_one_line(tmp_path):
-    """Some 230 bytes a step in the events file against 170 in metrics.jsonl: it fills first."""
-    result = run_script(BOARD_ARGS + ["--eval_every", "0", "--log_dir", str(tmp_path)], env=ONE_THREAD,
-                        max_file_bytes=1_000)
+    """Some 230 bytes a step in the events file against 170 in metrics.jsonl: given room for metrics.jsonl's 40 steps
+    after its first record (what the run is), the events file fills first, some 35 steps in."""
+    from test_checkpoint import after_the_run_record
+
+    args = BOARD_ARGS + ["--max_steps", "40", "--eval_every", "0", "--log_dir", str(tmp_path)]
+    result = run_script(args, env=ONE_THREAD, max_file_bytes=after_the_run_record(args, 170 * 40 + 200))
     assert one_line_error(result) == no_room(next(tmp_path.glob("events.out.tfevents.*")))
     assert not list(tmp_path.glob("ckpt_*"))
     steps = [step for step, _ in jsonl_curves(tmp_path)["train_loss"]]
-    assert steps == list(range(len(steps))) and 2 <= len(steps) < 8
+    assert steps == list(range(len(steps))) and 8 <= len(steps) < 40

@@ -73,7 +73,8 @@ def test_a_new_run_starts_a_fresh_metrics_file(tmp_path):
     run(["--max_steps", "3", "--ckpt_every", "0"], tmp_path)  # with checkpoints, it would be refused
     run(["--max_steps", "2"], tmp_path)
     lines = (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line).get("step") for line in lines] == [0, 1, None]  # 2 steps and the summary
+    assert [json.loads(line).get("step") for line in lines] == [None, 0, 1, None]  # the run, 2 steps, the summary
+    assert "run" in json.loads(lines[0])
 
 
 def test_no_validation_data_needed_without_evaluation(tmp_path):
@@ -221,7 +222,7 @@ def test_a_diverging_run_stops_with_one_line_and_saves_nothing_from_that_step(tm
     saved = torch.load(checkpoint)["model"]
     assert all(torch.isfinite(tensor).all() for tensor in saved.values())
     records = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == [0, 1] and math.isnan(records[1]["train_loss"])  # no summary
+    assert [r.get("step") for r in records] == [None, 0, 1] and math.isnan(records[2]["train_loss"])  # no summary
 
 
 def test_a_diverged_step_with_no_checkpoint_says_start_again_and_the_recipe_raises_floating_point_error(tmp_path):
