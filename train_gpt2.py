@@ -1235,6 +1235,8 @@ class CheckedRun(Run):
         super().__init__(cfg, launch)
         self.stop_signal, self.notes = stop_signal or {"requested": False}, notes
         self.sources = {}  # the checkpoints read, by flag: the code that wrote them
+        self.card = (torch.cuda.get_device_name(self.cfg.device)
+                     if self.cfg.device.startswith("cuda") else "")
         if self.launch.restarts and not cfg.resume:  # torchrun restarted the workers: go on
             self.cfg = dataclasses.replace(self.cfg, resume="auto")
             self.notes = [*notes, f"torchrun's restart {self.launch.restarts}: going on from the "
@@ -1411,11 +1413,10 @@ class CheckedRun(Run):
                         if "run" in (record := json.loads(line)) or record.get(
                                 "step", resume_step) < resume_step:
                             kept.append(line)
-        card = torch.cuda.get_device_name(cfg.device) if "cuda" in cfg.device else ""
         run = {"run": {"flags": dataclasses.asdict(cfg), "resumed_at": resume_step,  # what it is
                        "torch": torch.__version__, "numpy": np.__version__,
                        "tiktoken": importlib.metadata.version("tiktoken"), "device": cfg.device,
-                       "device_name": card or platform.processor(), "world_size":
+                       "device_name": self.card or platform.processor(), "world_size":
                        self.launch.world_size, "train_gpt2_sha256": file_sha256(__file__)}}
         write_atomically(self.path, lambda temporary: Path(temporary).write_text(
             "".join(kept) + json.dumps(run) + "\n"))
@@ -1466,7 +1467,7 @@ class CheckedRun(Run):
         self.flops_per_step = cfg.total_batch_size * flops_per_token(model.config, params,
                                                                      cfg.seq_len)
         self.epoch = loader.epoch
-        card = f", {torch.cuda.get_device_name(cfg.device)}" if "cuda" in cfg.device else ""
+        card = f", {self.card}" if self.card else ""
         mfu = (f", MFU against {cfg.peak_tflops:g} TFLOP/s" if cfg.peak_tflops else
                ", no MFU: its peak TFLOP/s is unknown, give --peak_tflops" if card else "")
         sharded = "optimizer state sharded over the processes; " * (cfg.shard_optimizer and W > 1)
@@ -1538,7 +1539,7 @@ class CheckedRun(Run):
         median_ms = float(np.median(timed))
         summary = {"timed_steps": len(timed), "median_ms": median_ms,
                    "median_tokens_per_s": cfg.total_batch_size * 1000 / median_ms}
-        if cfg.device.startswith("cuda"):
+        if self.card:  # CUDA's
             summary["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
             summary["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
         else:  # resident

@@ -185,7 +185,7 @@ def test_cuda_summary_has_mfu_and_both_memory_peaks(monkeypatch, tmp_path, capsy
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 27.5 * 2**30)
     log = t.CheckedRun(t.parse_args(["--peak_tflops", "989", "--device", "cpu", "--log_dir", str(tmp_path)]))
     log.open_log(None)
-    log.cfg = dataclasses.replace(log.cfg, device="cuda:0")  # an H100's peak above
+    log.card = "NVIDIA H100 80GB HBM3"  # the CUDA branch, at the H100's peak above
     # what start() and log_step() would have kept: the steps' times, the FLOPs of a step
     log.step_ms, log.flops_per_step = [5000.0, 3000.0, 2000.0, 1100.0, 1000.0, 1200.0], 860e6 * 524_288
     log.summary()
