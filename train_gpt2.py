@@ -342,6 +342,8 @@ def lr_at(step: int, cfg: "TrainConfig") -> float:
         return min_lr
     progress = (step - cfg.warmup_steps) / (cfg.max_steps - cfg.warmup_steps)  # 0 -> 1
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
+
+
 def configure_optimizers(model: GPT, cfg: "TrainConfig", fused: bool, sharded=False) -> list:
     """AdamW; --optimizer muon: Muon for the blocks' matrices, AdamW for the rest. sharded: each
     optimizer's state split over the processes (ZeRO-1)."""
@@ -442,7 +444,6 @@ class TrainConfig:
     keep_ckpts: int = flag(2, "keep the N newest checkpoints; 0: all", "checkpoints")
     stop_after_steps: int = flag(0, "end with a checkpoint after N steps; 0: never", "checkpoints")
     resume: str = flag("", "checkpoint to go on from; auto: the newest in --log_dir", "checkpoints")
-
 
 
 def machine_choices(cfg: TrainConfig, launch: Launch) -> TrainConfig:
@@ -841,6 +842,8 @@ def pack_hellaswag(rendered: list[tuple], max_tokens):
     return [(pad([row for tokens, _, _ in group for row in tokens]),
              pad([row for _, mask, _ in group for row in mask]),
              torch.tensor([label for _, _, label in group])) for group in groups]
+
+
 def sample_next(model: GPT, idx, caches, positions, noise, temperature: float):
     """(B, 1): the token after idx (B, T) at positions (T,), drawn from the softmax p of the top k
     logits (k: noise's width). argmax(p / E), E (B, k) Exp(1) noise, picks i with probability
@@ -885,7 +888,6 @@ def generate(model: GPT, prompt_tokens: list[int], max_new_tokens: int, caches, 
             tokens[:, length] = new[:, 0]
     model.train()
     return tokens[:, len(context) :].tolist()
-
 
 
 def print_samples(model: GPT, tokenizer, cfg, autocast, caches, next_token=sample_next):
@@ -1584,6 +1586,7 @@ def stop_or_fail_together(signalled, sources: list, launch):
     raise_first_problem([problem for _, problem in reports])
     return any(signalled for signalled, _ in reports)
 
+
 # ------------------------------ reading the inputs
 def check_token_counts(streams, cfg, with_val):
     """(train, val) hold a step, and val an evaluation."""
@@ -1638,6 +1641,7 @@ def read_checkpoint(path, flag="--resume"):
                        "add them to GPTConfig, or use the code that wrote it")
     return {**checkpoint, "path": path,
             "model_config": {k: v for k, v in saved.items() if k in known}}
+
 
 def missing_checkpoint(path, flag) -> str:
     """What to say of a --resume or --init_from that is no file: the checkpoints there."""
