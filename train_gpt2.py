@@ -509,10 +509,9 @@ TEXT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "input.txt"
 
 
 class Run:
-    """What train() reads and writes besides the model: its inputs, the log, checkpoints, and a
-    request to stop. Plain here, a whole trainer; main() hands train() a subclass (after the
-    banner) that checks each input on every rank, fetches what is missing, writes files whole,
-    logs to metrics.jsonl, catches signals and stops every rank together."""
+    """What train() reads and writes besides the model: inputs, log, checkpoints, a stop. Plain
+    here, a whole trainer; main() hands train() a subclass (after the banner) that checks each
+    input on every rank, fetches, writes whole files and metrics.jsonl, and stops all together."""
 
     def __init__(self, cfg: TrainConfig, launch: Launch | None = None):
         self.launch = launch or launch_from_env(os.environ)
@@ -529,8 +528,7 @@ class Run:
                       self.tokenizer() if cfg.sample_every else None)
 
     def initial_weights(self) -> tuple[GPTConfig, dict | None]:
-        """A new model's shape, from the flags; or --init_from's shape (dropout: this run's) and
-        weights."""
+        """A new model's shape from the flags, or --init_from's weights and shape (our dropout)."""
         if not self.cfg.init_from:
             return GPTConfig(**{name: value for name, value in vars(self.cfg).items()
                                 if name in GPTConfig.__dataclass_fields__}), None
@@ -1255,7 +1253,8 @@ class CheckedRun(Run):
                                f"({os.path.basename(earlier[0])}): continue it with --resume "
                                "auto, or pass another --log_dir")
             inputs = Run.read_inputs(self)
-            check_token_counts(inputs[2:4], cfg, with_val=cfg.eval_every > 0)
+            check_token_counts((inputs.train_tokens, inputs.val_tokens), cfg,
+                               with_val=cfg.eval_every > 0)
             if inputs.checkpoint is not None:
                 check_resumable(inputs.checkpoint, cfg, inputs.model_config)
             return inputs
@@ -1353,14 +1352,15 @@ class CheckedRun(Run):
         batches, block_size = super().hellaswag(), self.cfg.block_size
         if (longest := max((tokens.size(1) for tokens, _, _ in batches), default=0)) > block_size:
             fix = "" if self.cfg.eval_only else ", or drop --hellaswag_every"
-            raise RunError(f"the longest HellaSwag example in {self.hellaswag_file} takes "
+            raise RunError(f"the longest HellaSwag example in "
+                           f"{self.cfg.hellaswag_path or HELLASWAG_CACHE} takes "
                            f"{longest} tokens, more than the model's block_size of {block_size}: "
                            f"HellaSwag needs --block_size {longest} or more{fix}")
         return batches
 
     def hellaswag_examples(self):
         """Downloaded once where no --hellaswag_path is given; each record checked."""
-        self.hellaswag_file = path = self.cfg.hellaswag_path or HELLASWAG_CACHE
+        path = self.cfg.hellaswag_path or HELLASWAG_CACHE
         if not os.path.exists(path):
             download(HELLASWAG_URL, path, "pass --hellaswag_path with a local copy of it")
         examples = []
@@ -1489,9 +1489,10 @@ class CheckedRun(Run):
         """(flag, checkpoint, lines added or removed) where a checkpoint's code differs."""
         this = Path(__file__).read_text().splitlines()
         for flag, saved in self.sources.items():
-            diff = difflib.unified_diff(saved.get("source", "").splitlines(), this, n=0)
-            apart = sum(line[:1] in "+-" and line[:3] not in ("+++", "---") for line in diff)
-            if saved.get("source") and apart:
+            if "source" not in saved:  # written before checkpoints held their code
+                continue
+            diff = difflib.unified_diff(saved["source"].splitlines(), this, n=0)
+            if apart := sum(line[:1] in "+-" and line[:3] not in ("+++", "---") for line in diff):
                 yield flag, saved, apart
 
     def log_step(self, step, loss, lr, grad_norm, ms, loader):
@@ -1511,8 +1512,8 @@ class CheckedRun(Run):
                        "lower --max_lr or more --warmup_steps")
 
     def stop_requested(self):
-        return stop_or_fail_together(self.stop_signal["requested"], [self, *self.inputs[2:4]],
-                                     self.launch)
+        return stop_or_fail_together(self.stop_signal["requested"], [
+            self, self.inputs.train_tokens, self.inputs.val_tokens], self.launch)
 
     def write_checkpoint(self, state, steps_done):
         path = os.path.join(self.cfg.log_dir, f"ckpt_{steps_done}.pt")
