@@ -5,18 +5,50 @@ import json
 import os
 import random
 import re
+import shutil
 import stat
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import train_gpt2 as t
-from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, run_python, run_script
-from test_ddp import ONE_THREAD, torchrun
+from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, run_script
+from test_cli import error_line_in_process
+from test_ddp import torchrun
 from test_model import document_mask, visible_as
 
 TOKENIZER = t.CheckedRun.tokenizer()
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    """A folder holding ckpt_2.pt of TINY_ARGS --max_steps 2: the checkpoint the export tests start from, trained
+    once for all of them (each copies the folder into its own tmp_path; none writes into it)."""
+    log_dir = tmp_path_factory.mktemp("two_steps") / "log"
+    t.main(t.parse_args(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(log_dir)]))
+    return log_dir
+
+
+@pytest.fixture(scope="module")
+def three_steps(tmp_path_factory):
+    """(folder holding ckpt_3.pt, the trained model) of TINY_ARGS --max_steps 3, trained once on one thread (as the
+    one_thread fixture would) for the tests that start from it: each copies the folder, and calls .eval() on the
+    model itself (no dropout: eval and train give the same logits)."""
+    log_dir = tmp_path_factory.mktemp("three_steps") / "log"
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "3", "--log_dir", str(log_dir)])).model
+    finally:
+        torch.set_num_threads(previous)
+    return log_dir, model
+
+
+def copy_of(log_dir, tmp_path, name="log"):
+    """The fixture's folder at tmp_path / name, as if this test's own run had written it there."""
+    return Path(shutil.copytree(log_dir, tmp_path / name))
 
 
 def test_render_hellaswag_exact_tokens_and_mask():
@@ -129,14 +161,16 @@ def write_hellaswag(path, count):
     return path
 
 
-def test_eval_only_gives_the_same_counts_in_one_and_two_processes(tmp_path):
-    """5 examples: rank 0 scores 3, rank 1 scores 2; the summed counts equal one process's."""
-    args = ["train_gpt2.py"] + TINY_ARGS + ["--eval_only", "--eval_steps", "1", "--log_dir", str(tmp_path),
-                                           "--hellaswag_path", str(write_hellaswag(tmp_path / "hs.jsonl", 5))]
-    one = run_python(args, env=ONE_THREAD)
-    two = torchrun(2, args)
-    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
-    one_line = [line for line in one.stdout.splitlines() if line.startswith("val loss")]
+def test_eval_only_gives_the_same_counts_in_one_and_two_processes(one_thread, tmp_path, capsys):
+    """5 examples: rank 0 scores 3, rank 1 scores 2; the summed counts equal one process's (this one, on one thread
+    as torchrun's ranks are)."""
+    args = TINY_ARGS + ["--eval_only", "--eval_steps", "1", "--log_dir", str(tmp_path),
+                        "--hellaswag_path", str(write_hellaswag(tmp_path / "hs.jsonl", 5))]
+    t.main(t.parse_args(args))
+    one_stdout = capsys.readouterr().out
+    two = torchrun(2, ["train_gpt2.py"] + args)
+    assert two.returncode == 0, two.stderr
+    one_line = [line for line in one_stdout.splitlines() if line.startswith("val loss")]
     assert one_line[0].endswith("over 5 examples")
     assert [line for line in two.stdout.splitlines() if line.startswith("val loss")] == one_line
 
@@ -242,9 +276,10 @@ def test_init_from_gpt2_offline_says_so_in_one_line(tmp_path):
     assert result.stderr.endswith("): connect to the network, or give a checkpoint\n")
 
 
-def test_export_hf_gives_transformers_the_same_model_and_tokenizer(one_thread, tmp_path):
+def test_export_hf_gives_transformers_the_same_model_and_tokenizer(one_thread, three_steps, tmp_path):
     transformers = pytest.importorskip("transformers")
-    trained = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "3", "--log_dir", str(tmp_path / "log")])).model
+    log_dir, trained = three_steps
+    copy_of(log_dir, tmp_path)
     t.main(t.parse_args(["--init_from", str(tmp_path / "log" / "ckpt_3.pt"), "--export_hf", str(tmp_path / "hf"),
                          "--log_dir", str(tmp_path / "log")]))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "log"]  # renamed into place
@@ -300,9 +335,9 @@ def test_export_hf_without_a_checkpoint_or_with_another_mode_or_over_a_folder_is
     assert one_line_exit(capsys, flags + ["--log_dir", str(tmp_path / "log")]) == f"error: {message}"
 
 
-def test_an_export_the_disk_cannot_take_is_one_line_and_leaves_no_folder(tmp_path):
+def test_an_export_the_disk_cannot_take_is_one_line_and_leaves_no_folder(two_steps, tmp_path):
     pytest.importorskip("transformers")
-    assert run_script(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path / "log")]).returncode == 0
+    copy_of(two_steps, tmp_path)
     # 1 MiB a file: config.json fits, model.safetensors (6 MiB of embeddings) does not
     result = run_script(["--init_from", str(tmp_path / "log" / "ckpt_2.pt"), "--export_hf", str(tmp_path / "hf"),
                          "--log_dir", str(tmp_path / "log")], max_file_bytes=2**20)
@@ -312,10 +347,11 @@ def test_an_export_the_disk_cannot_take_is_one_line_and_leaves_no_folder(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]  # no folder, whole or temporary
 
 
-def test_an_export_of_a_changed_architecture_is_refused_and_leaves_no_folder(tmp_path, capsys, monkeypatch):
+def test_an_export_of_a_changed_architecture_is_refused_and_leaves_no_folder(two_steps, tmp_path, capsys,
+                                                                             monkeypatch):
     """With ReLU for GELU in MLP, the export wrote transformers' GELU model, whose logits were 0.13 from ours."""
     pytest.importorskip("transformers")
-    t.main(t.parse_args(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path / "log")]))
+    copy_of(two_steps, tmp_path)
     monkeypatch.setattr(t.MLP, "forward", lambda self, x: self.dropout(self.c_proj(F.relu(self.c_fc(x)))))
     line = one_line_exit(capsys, ["--init_from", str(tmp_path / "log" / "ckpt_2.pt"), "--export_hf",
                                   str(tmp_path / "hf"), "--log_dir", str(tmp_path / "log")])
@@ -324,11 +360,11 @@ def test_an_export_of_a_changed_architecture_is_refused_and_leaves_no_folder(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["log"]
 
 
-def test_an_export_of_a_model_masked_by_documents_is_refused(tmp_path, capsys):
+def test_an_export_of_a_model_masked_by_documents_is_refused(two_steps, tmp_path, capsys):
     """The check scored random ids, which almost never hold <|endoftext|>: a model that attends within documents
     was exported, and transformers disagreed by 4.97 logits on real text (issue 55). Its tokens now hold some."""
     pytest.importorskip("transformers")
-    t.main(t.parse_args(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path / "log")]))
+    copy_of(two_steps, tmp_path)
 
     with visible_as(document_mask):
         line = one_line_exit(capsys, ["--init_from", str(tmp_path / "log" / "ckpt_2.pt"), "--export_hf",
@@ -342,9 +378,8 @@ def test_an_export_of_a_model_masked_by_documents_is_refused(tmp_path, capsys):
     ("transformers", "--export_hf needs the transformers library: pip install transformers"),
     ("blobfile", "--export_hf needs blobfile to convert the tokenizer: pip install blobfile"),
 ])
-def test_export_hf_without_a_package_it_needs_says_how_to_get_it(tmp_path, package, line):
-    trained = tmp_path / "log" / "ckpt_2.pt"
-    assert run_script(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path / "log")]).returncode == 0
+def test_export_hf_without_a_package_it_needs_says_how_to_get_it(two_steps, tmp_path, package, line):
+    trained = copy_of(two_steps, tmp_path) / "ckpt_2.pt"
     fake = tmp_path / "fake_modules" / package
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text(f"raise ImportError('{package} is not installed')\n")
@@ -354,33 +389,37 @@ def test_export_hf_without_a_package_it_needs_says_how_to_get_it(tmp_path, packa
     assert result.stderr.strip() == f"error: {line}"
 
 
-def test_init_from_our_checkpoint_and_generate(one_thread, tmp_path):
+def test_init_from_our_checkpoint_and_generate(one_thread, three_steps, tmp_path, capsys):
     """--generate prints generate()'s samples of the checkpoint's model, the same without the cache, then their speed:
-    all num_samples x max_new_tokens tokens timed, after an untimed warm-up call of 3 tokens a sample."""
-    trained = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "3", "--log_dir", str(tmp_path)]))
-    args = ["--init_from", str(tmp_path / "ckpt_3.pt"), "--generate", "--device", "cpu", "--num_samples", "2",
-            "--log_dir", str(tmp_path / "generate"), "--max_new_tokens", "5"]
+    all num_samples x max_new_tokens tokens timed, after an untimed warm-up call of 3 tokens a sample. The runs
+    are main()'s in this process, as the script's are (the command line's own tests are test_cli's)."""
+    log_dir, trained = three_steps
+    copy_of(log_dir, tmp_path, "trained")
+    args = ["--init_from", str(tmp_path / "trained" / "ckpt_3.pt"), "--generate", "--device", "cpu", "--num_samples",
+            "2", "--log_dir", str(tmp_path / "generate"), "--max_new_tokens", "5"]
     texts = t.main(t.parse_args(args))
-    expected = t.generate(trained.model, TOKENIZER.encode_ordinary("Hello, I'm a language model,"), 5,
-                          t.kv_caches(trained.model), 2, 1.0, 50, 1337, contextlib.nullcontext)
+    expected = t.generate(trained, TOKENIZER.encode_ordinary("Hello, I'm a language model,"), 5,
+                          t.kv_caches(trained), 2, 1.0, 50, 1337, contextlib.nullcontext)
     assert texts == ["Hello, I'm a language model," + TOKENIZER.decode(sample) for sample in expected]
-    result = run_script(args + ["--no-kv_cache"], env=ONE_THREAD)
-    assert result.returncode == 0, result.stderr
-    assert [line.removeprefix(f"sample {i}: ") for i, line in enumerate(result.stdout.splitlines()[:2])] == texts
-    speed = result.stdout.splitlines()[-1]  # 2 x 5 tokens timed; the warm-up call's 2 x 3 before them, apart
+    capsys.readouterr()
+    assert t.main(t.parse_args(args + ["--no-kv_cache"])) == texts
+    stdout = capsys.readouterr().out
+    assert [line.removeprefix(f"sample {i}: ") for i, line in enumerate(stdout.splitlines()[:2])] == texts
+    speed = stdout.splitlines()[-1]  # 2 x 5 tokens timed; the warm-up call's 2 x 3 before them, apart
     assert re.fullmatch(r"10 tokens in \d+\.\d\d s: [\d,.]+ tokens/s \(KV cache off, compile off, 1,637,248 "
                         r"parameters\), after an untimed warm-up of 3 tokens a sample: "
                         r"\d+\.\d\d s", speed), speed
-    result = run_script(args[:-1] + ["3", "--compile"], env=ONE_THREAD)
+    torch._dynamo.reset()  # compiled as in a fresh process: no graph of an earlier test's model
+    t.main(t.parse_args(args[:-1] + ["3", "--compile"]))
+    stdout = capsys.readouterr().out
     assert re.fullmatch(r"6 tokens in \d+\.\d\d s: [\d,.]+ tokens/s \(KV cache on, compile on, 1,637,248 "
                         r"parameters\), after an untimed warm-up of 3 tokens a sample: "
-                        r"\d+\.\d\d s", result.stdout.splitlines()[-1]), \
-        result.stdout
+                        r"\d+\.\d\d s", stdout.splitlines()[-1]), stdout
 
 
 @pytest.mark.parametrize("source", ["gpt2", "our checkpoint"])
-def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer_and_data(one_thread, tmp_path, monkeypatch,
-                                                                            source):
+def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer_and_data(one_thread, three_steps, tmp_path,
+                                                                            monkeypatch, source):
     """Training with --init_from: step 0's loss is the source model's own loss on the first 8 windows of the text
     (so its weights were loaded, and the data starts at window 0); the steps count from 0 and the learning rate is
     the new run's, not the checkpoint's."""
@@ -395,7 +434,8 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer_and_data(one
         monkeypatch.setattr(t, "load_openai_weights", lambda name: t.state_from_openai(hf_model.state_dict()))
         init_from, source_logits = "gpt2", lambda idx: hf_model(idx).logits
     else:
-        pretrained = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "3", "--log_dir", str(tmp_path / "pre")])).model
+        log_dir, pretrained = three_steps
+        copy_of(log_dir, tmp_path, "pre")
         init_from, source_logits = str(tmp_path / "pre" / "ckpt_3.pt"), lambda idx: pretrained.eval()(idx)[0]
     flags = ["--init_from", init_from, "--text_file", TINY_ARGS[TINY_ARGS.index("--text_file") + 1], "--seq_len", "32",
              "--micro_batch_size", "4", "--total_batch_size", "256", "--max_steps", "2", "--warmup_steps", "1",
@@ -418,9 +458,10 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer_and_data(one
     assert tuned.records[0]["train_loss"] != pytest.approx(expected, abs=1e-3)  # some activations were dropped
 
 
-def test_init_from_refuses_shape_flags(tmp_path):
-    result = run_script(["--init_from", "gpt2", "--n_layer", "4", "--generate", "--log_dir", str(tmp_path / "log")])
-    assert result.stderr.strip() == "error: --init_from gpt2 has n_layer 12: drop --n_layer 4"
+def test_init_from_refuses_shape_flags(tmp_path, capsys):
+    """parse_args' refusal, which the script prints as its one line (test_cli shows a parse error so, end to end)."""
+    args = ["--init_from", "gpt2", "--n_layer", "4", "--generate", "--log_dir", str(tmp_path / "log")]
+    assert error_line_in_process(args, capsys) == "error: --init_from gpt2 has n_layer 12: drop --n_layer 4"
 
 
 def test_cached_decoding_gives_the_same_logits_and_tokens():
@@ -597,11 +638,11 @@ def test_eval_only_on_a_runs_checkpoint_takes_its_batch_shape_and_without_hellas
     ("a wider MLP", "transformer.h.0.mlp.c_fc.weight is (32, 256), GPT-2's is (32, 128)"),
     ("2 key/value heads", "transformer.h.0.attn.q.weight is (32, 32), GPT-2's is absent"),
 ])
-def test_an_export_whose_tensors_gpt2_cannot_hold_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch,
-                                                                               change, problem):
+def test_an_export_whose_tensors_gpt2_cannot_hold_is_one_line_and_writes_nothing(two_steps, tmp_path, capsys,
+                                                                               monkeypatch, change, problem):
     """It ended in an 18-line RuntimeError from load_state_dict. The checkpoints hold what a hacked model saves."""
     pytest.importorskip("transformers")
-    t.main(t.parse_args(TINY_ARGS + ["--max_steps", "2", "--log_dir", str(tmp_path / "log")]))
+    copy_of(two_steps, tmp_path)
     checkpoint = torch.load(tmp_path / "log" / "ckpt_2.pt", weights_only=True)
     state = checkpoint["model"]
     if change == "no wpe":  # rotary positions, say
