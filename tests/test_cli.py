@@ -114,15 +114,15 @@ def test_the_command_line_says_a_mistake_in_one_line(args, capsys, tmp_path):  #
     assert one_line_error(run_script(args)) == error_line_in_process(args, capsys)
 
 
-def test_missing_data_dir(tmp_path):
-    line = one_line_error(run_script(TINY_ARGS + ["--data_dir", str(tmp_path / "nowhere"),
-                                                  "--log_dir", str(tmp_path / "log")]))
+def test_missing_data_dir(tmp_path, capsys):  # in process: the script says main's refusals alike (the test above)
+    line = error_line_in_process(TINY_ARGS + ["--data_dir", str(tmp_path / "nowhere"),
+                                              "--log_dir", str(tmp_path / "log")], capsys)
     assert line == f"error: --data_dir {tmp_path / 'nowhere'} is not a folder: run fineweb.py to make shards, or fix the path"
 
 
-def test_data_dir_without_shards(tmp_path):
+def test_data_dir_without_shards(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("no shards here")
-    line = one_line_error(run_script(TINY_ARGS + ["--data_dir", str(tmp_path), "--log_dir", str(tmp_path / "log")]))
+    line = error_line_in_process(TINY_ARGS + ["--data_dir", str(tmp_path), "--log_dir", str(tmp_path / "log")], capsys)
     assert line == f"error: no train shards (*_train_*.npy) in --data_dir {tmp_path}: run fineweb.py to make them"
 
 
