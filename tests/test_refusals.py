@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import train_gpt2 as t
-from conftest import TINY_ARGS, TINY_ARGS_WITHOUT_SHAPE, run_script
+from conftest import TINY_ARGS, TINY_ARGS_WITHOUT_SHAPE
 from test_ddp import assert_every_rank_stopped_with_one_line, torchrun
 from test_evaluation import one_line_exit
 from test_tensorboard import BOARD_ARGS, board_curves, jsonl_curves
@@ -181,11 +181,12 @@ def test_eps_of_0_is_refused_before_any_work(tmp_path, capsys):
 # ------------------------------ TensorBoard turned on at a resume (issue 52)
 
 def test_tensorboard_first_turned_on_at_a_resume_writes_the_earlier_records_too(tmp_path):
-    """It wrote only the resumed steps, though a resumed run is said to continue the same curves."""
+    """It wrote only the resumed steps, though a resumed run is said to continue the same curves. Both runs are
+    main()'s in this process: it returns where the script would exit 0, and a failure raises."""
     without = [arg for arg in BOARD_ARGS if arg != "--tensorboard"]
-    assert run_script(without + ["--log_dir", str(tmp_path), "--stop_after_steps", "5"]).returncode == 0
+    t.main(t.parse_args(without + ["--log_dir", str(tmp_path), "--stop_after_steps", "5"]))
     assert not list(tmp_path.glob("events.out.tfevents.*"))
-    assert run_script(BOARD_ARGS + ["--log_dir", str(tmp_path), "--resume", "auto"]).returncode == 0
+    t.main(t.parse_args(BOARD_ARGS + ["--log_dir", str(tmp_path), "--resume", "auto"]))
     curves = board_curves(tmp_path)
     assert [step for step, _ in curves["train_loss"]] == list(range(8))
     assert [step for step, _ in curves["val_loss"]] == [-1, 3, 7]
