@@ -687,11 +687,11 @@ def test_a_corpus_within_one_shard_gets_shards_of_a_tenth_in_one_command_and_tra
     for path in (tmp_path / "small").iterdir():
         assert (tmp_path / "given" / path.name).read_bytes() == path.read_bytes(), path.name
 
-    # 4 steps of 8 windows of 32 + 1 tokens; an evaluation of 8 windows needs 257 of the 481 val tokens
-    trained = run_python(["train_gpt2.py"] + shard_training_args(tmp_path / "small", tmp_path / "log") +
-                         ["--max_steps", "4", "--eval_every", "4"], env={"OMP_NUM_THREADS": "1"})
-    assert trained.returncode == 0, trained.stderr
-    assert "; 4,327 train tokens" in trained.stdout  # 4,808 - 481
+    # 4 steps of 8 windows of 32 + 1 tokens; an evaluation of 8 windows needs 257 of the 481 val tokens (main() in
+    # this process: what the script runs; the command that trains on shards is the end-to-end test's below)
+    train_gpt2.main(train_gpt2.parse_args(shard_training_args(tmp_path / "small", tmp_path / "log") +
+                                          ["--max_steps", "4", "--eval_every", "4"]))
+    assert "; 4,327 train tokens" in capsys.readouterr().out  # 4,808 - 481
     train_losses, val_losses = losses(tmp_path / "log")
     assert (len(train_losses), len(val_losses)) == (4, 2)  # val: before training and after step 3
     assert all(math.isfinite(loss) for loss in train_losses + val_losses), (train_losses, val_losses)
@@ -726,10 +726,10 @@ def test_a_refusal_after_shards_were_written_leaves_nothing_and_the_same_command
     assert [len(shard) for shard in read_shards(tmp_path / "out")] == [1025] * 4 + [2]
 
 
-def test_end_to_end_train_on_the_shards_one_and_two_processes(corpus_shards, tmp_path):
+def test_end_to_end_train_on_the_shards_one_and_two_processes(corpus_shards, one_thread, tmp_path):
+    """One process (main() here, on one thread as each torchrun rank is) and 2 ranks under torchrun."""
     out_dir, _ = corpus_shards
-    single = run_python(["train_gpt2.py"] + shard_training_args(out_dir, tmp_path / "one"), env={"OMP_NUM_THREADS": "1"})
-    assert single.returncode == 0, single.stderr
+    train_gpt2.main(train_gpt2.parse_args(shard_training_args(out_dir, tmp_path / "one")))
     train_losses, val_losses = losses(tmp_path / "one")
     assert train_losses[-1] < train_losses[0] - 1.5, train_losses  # measured: 10.83 -> 8.25
     assert val_losses[1] < train_losses[0] - 1.0, val_losses  # measured: 9.08 (val_losses[0]: before training)
