@@ -161,11 +161,18 @@ def test_an_empty_prompt_samples_from_end_of_text_as_gpt2_does():
     assert model.contexts == [[50256], [50256, 7]]
 
 
+@pytest.fixture(scope="module")
+def float32_losses(tmp_path_factory):
+    """The float32 run both reduced-precision cases are held to, run once."""
+    return train_losses(run(["--max_steps", "3"], tmp_path_factory.mktemp("float32"), "fp32"))
+
+
 @pytest.mark.parametrize("dtype, tolerance", [("bfloat16", 0.02), ("float16", 0.01)])
-def test_reduced_precision_paths_track_float32(tmp_path, dtype, tolerance):
-    """bf16 autocast and fp16 with a GradScaler are the GPU defaults; CPU autocast runs the same code."""
-    reference = train_losses(run(["--max_steps", "5"], tmp_path, "fp32"))
-    reduced = train_losses(run(["--max_steps", "5", "--dtype", dtype], tmp_path, dtype))
+def test_reduced_precision_paths_track_float32(float32_losses, tmp_path, dtype, tolerance):
+    """bf16 autocast and fp16 with a GradScaler are the GPU defaults; CPU autocast runs the same code. 3 steps of 2
+    micro-steps (fp16 matmuls are slow on a CPU: 5 steps made this the slowest test of the file)."""
+    reference = float32_losses
+    reduced = train_losses(run(["--max_steps", "3", "--dtype", dtype], tmp_path, dtype))
     assert reduced != reference  # autocast really ran
     assert max(abs(a - b) for a, b in zip(reduced, reference, strict=True)) < tolerance
 
