@@ -371,38 +371,43 @@ def test_a_signal_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path, sign
 ANSWERED = "the step ends, a checkpoint is written, then the run stops (a second Ctrl-C stops at once)"
 
 
-@pytest.mark.parametrize("ckpt_every", [2, 0])
+@pytest.mark.parametrize("ckpt_every", [1, 0])
 def test_a_second_ctrl_c_stops_at_once_with_one_line_saying_what_is_lost(tmp_path, ckpt_every):
-    """It ended in a KeyboardInterrupt traceback. Steps of 64 micro-steps (a second or more): both Ctrl-Cs land in
-    step 3, after ckpt_2.pt and before the checkpoint the first one asks for at the end of the step. The second is
-    sent once the first is answered, however long a step takes (two pending signals would be one)."""
-    args = TINY_ARGS + ["--max_steps", "100000", "--total_batch_size", str(256 * 64), "--ckpt_every",
-                        str(ckpt_every), "--log_dir", str(tmp_path)]
+    """It ended in a KeyboardInterrupt traceback. Steps of 32 micro-steps (some 2 seconds, against the milliseconds
+    the signals take): both Ctrl-Cs land in step 1, after ckpt_1.pt and before the checkpoint the first one asks
+    for at the end of the step. The first is sent once step 0's sample is printed, after step 0 looked for a
+    signal and wrote its checkpoint (sent at a step's line, on a loaded machine it landed before that, and that
+    step stopped the run); the second once the first is answered, however long a step takes (two pending signals
+    would be one)."""
+    args = TINY_ARGS + ["--max_steps", "100000", "--total_batch_size", str(128 * 32), "--ckpt_every",
+                        str(ckpt_every), "--sample_every", "1", "--num_samples", "1", "--max_new_tokens", "2",
+                        "--log_dir", str(tmp_path)]
     process = start_training(["train_gpt2.py"] + args)
-    wait_for_line(process, "step     2/100000")
+    wait_for_line(process, "sample 0: ")
     process.send_signal(signal.SIGINT)
     assert process.stderr.readline() == f"SIGINT: {ANSWERED}\n"
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=60)
     assert "stopped by a signal" not in out and process.returncode == 130
-    lost = (f"the steps after {tmp_path / 'ckpt_2.pt'} are lost; to go on from it, run the same command with "
+    lost = (f"the steps after {tmp_path / 'ckpt_1.pt'} are lost; to go on from it, run the same command with "
             "--resume auto" if ckpt_every else "no checkpoint was written, its steps are lost")
     assert err == f"stopped at once by a second Ctrl-C: {lost}\n"
-    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == (["ckpt_2.pt", "ckpt_2.pt.sha256"] if ckpt_every
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == (["ckpt_1.pt", "ckpt_1.pt.sha256"] if ckpt_every
                                                               else [])
 
 
 def test_ctrl_c_in_another_run_mode_stops_it_at_once_with_one_line(tmp_path):
     """--generate has nothing to save: the first Ctrl-C ends it. 200,000 tokens of a tiny model take minutes; the
-    signal comes once the model is generating (the script's start, imports included, takes a few seconds)."""
+    signal comes once the script has built the model and said so, before it generates."""
     process = start_training(["train_gpt2.py", "--generate", "--device", "cpu", "--n_layer", "2", "--n_head", "2",
                               "--n_embd", "32", "--block_size", "64", "--seq_len", "64", "--num_samples", "1",
                               "--max_new_tokens", "200000", "--log_dir", str(tmp_path / "log")])
-    time.sleep(15)
+    untrained = "no --init_from: the samples come from untrained weights\n"
+    seen = wait_for_line(process, untrained)
     still_running = process.poll() is None
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=60)
-    untrained = "no --init_from: the samples come from untrained weights\n"
+    out = "".join(seen) + out
     assert still_running and (process.returncode, out, err) == (130, untrained, "stopped by Ctrl-C\n"), err
 
 
