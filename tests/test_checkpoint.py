@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,21 @@ def run(args, log_dir):
 def logged(log_dir, key="train_loss"):
     lines = (log_dir / "metrics.jsonl").read_text().splitlines()
     return [(r["step"], r[key]) for r in map(json.loads, lines) if key in r]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted 8-step run in this process, one thread (as conftest.one_thread, and as a subprocess with
+    ONE_THREAD: bitwise the same): the --log_dir (metrics.jsonl, ckpt_8.pt) that several tests' stopped, failed or
+    restarted and resumed runs must end up equal to. 2 processes of 1 micro-step and 1 process of 2 compute each
+    step bitwise alike (their averaged gradient is the same sum, halved): it is the 2-process tests' too."""
+    log_dir, threads = tmp_path_factory.mktemp("straight"), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run([], log_dir)
+    finally:
+        torch.set_num_threads(threads)
+    return log_dir
 
 
 def assert_same_weights(a: dict, b: dict):
@@ -53,21 +69,23 @@ def no_room(path):
             "with --resume auto")
 
 
-def test_a_checkpoint_the_disk_cannot_take_stops_with_one_line_and_the_run_resumes_exactly(tmp_path):
+def test_a_checkpoint_the_disk_cannot_take_stops_with_one_line_and_the_run_resumes_exactly(tmp_path, straight,
+                                                                                          one_thread):
+    """The run that fails to write is a real process with a real size limit; the run before it and the run after
+    it are this process's (one thread, as the straight run's)."""
     log_dir = tmp_path / "resumed"
-    args = EIGHT_STEPS + ["--ckpt_every", "3", "--keep_ckpts", "0", "--log_dir", str(log_dir)]
-    assert run_script(args + ["--stop_after_steps", "3"], env=ONE_THREAD).returncode == 0
+    flags = ["--ckpt_every", "3", "--keep_ckpts", "0"]
+    run(flags + ["--stop_after_steps", "3"], log_dir)
     # 1 MiB a file: the log fits, a checkpoint (6 MiB of weights, 13 of AdamW state) does not
-    failed = run_script(args + ["--resume", "auto"], env=ONE_THREAD, max_file_bytes=2**20)
+    failed = run_script(EIGHT_STEPS + flags + ["--log_dir", str(log_dir), "--resume", "auto"], env=ONE_THREAD,
+                        max_file_bytes=2**20)
     assert one_line_error(failed) == no_room(log_dir / "ckpt_6.pt")
     # no partial file: the older checkpoint is whole
     assert sorted(p.name for p in log_dir.iterdir()) == ["ckpt_3.pt", "ckpt_3.pt.sha256", "metrics.jsonl"]
     assert t.read_checkpoint(str(log_dir / "ckpt_3.pt"))["step"] == 3
-    assert run_script(args + ["--resume", "auto"], env=ONE_THREAD).returncode == 0
-    straight = run_script(EIGHT_STEPS + ["--log_dir", str(tmp_path / "straight")], env=ONE_THREAD)
-    assert straight.returncode == 0, straight.stderr
-    assert logged(log_dir) == logged(tmp_path / "straight")
-    assert_same_weights(torch.load(log_dir / "ckpt_8.pt")["model"], torch.load(tmp_path / "straight" / "ckpt_8.pt")["model"])
+    run(flags + ["--resume", "auto"], log_dir)
+    assert logged(log_dir) == logged(straight)
+    assert_same_weights(torch.load(log_dir / "ckpt_8.pt")["model"], torch.load(straight / "ckpt_8.pt")["model"])
 
 
 def after_the_run_record(args, room):
@@ -87,10 +105,11 @@ def test_a_log_the_disk_cannot_take_stops_with_one_line_leaving_whole_records(tm
 
 
 def test_a_checkpoint_the_disk_cannot_take_under_torchrun_stops_every_rank_with_one_line(tmp_path):
+    """The run to resume is this process's (its checkpoint holds 1 rank's generators; rank 1 keeps its seed)."""
     log_dir = tmp_path / "log"
-    args = ["train_gpt2.py"] + TINY_ARGS + ["--ckpt_every", "2", "--log_dir", str(log_dir)]
-    assert torchrun(2, args + ["--stop_after_steps", "2"]).returncode == 0
-    result = torchrun(2, args + ["--resume", "auto"], timeout=120, max_file_bytes=2**20)
+    args = TINY_ARGS + ["--ckpt_every", "2", "--log_dir", str(log_dir)]
+    t.main(t.parse_args(args + ["--stop_after_steps", "2"]))
+    result = torchrun(2, ["train_gpt2.py"] + args + ["--resume", "auto"], timeout=120, max_file_bytes=2**20)
     # rank 1 waited for the checkpoint and stopped with rank 0: no lost-connection traceback from either
     assert_every_rank_stopped_with_one_line(result, no_room(log_dir / "ckpt_4.pt"))
     assert 'train_gpt2.py", line' not in result.stderr
@@ -107,11 +126,15 @@ def test_a_log_the_disk_cannot_take_under_torchrun_stops_every_rank_with_one_lin
 
 
 def test_with_dropout_two_processes_draw_their_own_masks_and_resume_exactly(tmp_path):
-    """Each rank seeds its dropout generator with --seed + rank, and the checkpoint holds every rank's state."""
-    args = ["train_gpt2.py"] + EIGHT_STEPS + ["--dropout", "0.1"]
+    """Each rank seeds its dropout generator with --seed + rank, and the checkpoint holds every rank's state. The
+    uninterrupted run writes ckpt_3.pt as it goes; a new launch goes on from it in a folder of its own, as from a
+    run stopped there (kill -9 after it: metrics.jsonl's later records are dropped), and must log the same losses."""
+    args = ["train_gpt2.py"] + EIGHT_STEPS + ["--dropout", "0.1", "--ckpt_every", "3", "--keep_ckpts", "0"]
     straight = torchrun(2, args + ["--log_dir", str(tmp_path / "straight")])
     assert straight.returncode == 0, straight.stderr
-    assert torchrun(2, args + ["--log_dir", str(tmp_path / "log"), "--stop_after_steps", "3"]).returncode == 0
+    (tmp_path / "log").mkdir()
+    for name in ("ckpt_3.pt", "ckpt_3.pt.sha256", "metrics.jsonl"):
+        shutil.copy(tmp_path / "straight" / name, tmp_path / "log")
     states = torch.load(tmp_path / "log" / "ckpt_3.pt")["rng"]
     assert len(states) == 2 and not torch.equal(states[0]["torch_cpu"], states[1]["torch_cpu"])
     resumed = torchrun(2, args + ["--log_dir", str(tmp_path / "log"), "--resume", "auto"])
@@ -119,8 +142,9 @@ def test_with_dropout_two_processes_draw_their_own_masks_and_resume_exactly(tmp_
     assert logged(tmp_path / "log") == logged(tmp_path / "straight")
 
 
-def test_resume_is_exact_under_two_processes_after_torchrun_restarts_a_crashed_job(tmp_path):
-    """(Two processes stopped by --stop_after_steps and resumed: the sharded-optimizer test below.)"""
+def test_resume_is_exact_under_two_processes_after_torchrun_restarts_a_crashed_job(tmp_path, straight):
+    """(Two processes stopped by --stop_after_steps and resumed: the sharded-optimizer test below.) The uninterrupted
+    run: the 1-process one, which 2 processes train bitwise like (the fixture `straight`)."""
     def two_processes(log_dir, *extra, entry=("train",), torchrun_flags=(), env=None):
         command, *entry_args = entry
         result = torchrun(2, [*torchrun_flags, ENTRY, command, str(log_dir / "final.pt"), *entry_args] + EIGHT_STEPS +
@@ -128,7 +152,6 @@ def test_resume_is_exact_under_two_processes_after_torchrun_restarts_a_crashed_j
         assert result.returncode == 0, result.stderr
         return result
 
-    two_processes(tmp_path / "straight")
     # rank 1 crashes at step 5; torchrun restarts both ranks, which go on from ckpt_4.pt as if nothing happened.
     # Without the variable, restarted ranks can read the last attempt's addresses from torchrun's shared store and
     # fail to connect (PyTorch #135712, #167288): 3 of 4 tries here failed without it, 5 of 5 passed with it.
@@ -139,42 +162,41 @@ def test_resume_is_exact_under_two_processes_after_torchrun_restarts_a_crashed_j
     assert "injected failure on rank 1 at step 5" in restarted.stderr
     assert "resumed from step 4" in restarted.stdout
     assert f"torchrun's restart 1: going on from the newest checkpoint in {tmp_path / 'restarted'}\n" in restarted.stdout
-    assert logged(tmp_path / "restarted") == logged(tmp_path / "straight")
+    assert logged(tmp_path / "restarted") == logged(straight)
     assert_same_weights(torch.load(tmp_path / "restarted" / "final.pt"),
-                        torch.load(tmp_path / "straight" / "final.pt"))
+                        torch.load(straight / "ckpt_8.pt")["model"])
 
 
-def test_resume_at_another_world_size_and_with_the_optimizer_sharded_trains_on_the_same_tokens(tmp_path):
-    """2 processes with AdamW sharded (--shard_optimizer, ZeRO stage 1: each keeps the state of and updates its
-    share of the weights) stop after 3 steps, 1 plain process goes on for 3, 2 sharded ones finish. 1 process
+def test_resume_at_another_world_size_and_with_the_optimizer_sharded_trains_on_the_same_tokens(tmp_path, straight,
+                                                                                              one_thread):
+    """1 plain process stops after 3 steps, 2 processes with AdamW sharded (--shard_optimizer, ZeRO stage 1: each
+    keeps the state of and updates its share of the weights) go on for 3, 1 plain process finishes. 1 process
     accumulating 2 micro-batches and 2 processes of 1 compute bitwise the same step, and each weight's sharded update
     is the plain optimizer's arithmetic, so equal losses mean each resumed run read exactly the uninterrupted run's
-    tokens, and that the checkpoints carried the whole AdamW state from sharded to plain and back."""
-    straight = run_script(EIGHT_STEPS + ["--log_dir", str(tmp_path / "straight")], env=ONE_THREAD)
-    assert straight.returncode == 0, straight.stderr
+    tokens, and that the checkpoints carried the whole AdamW state from plain to sharded and back. (The plain
+    process is this one, with one thread, as torchrun's.)"""
     log_dir = tmp_path / "log"
-    args = EIGHT_STEPS + ["--log_dir", str(log_dir)]
-    sharded = torchrun(2, ["train_gpt2.py"] + args + ["--shard_optimizer", "--stop_after_steps", "3"])
+    run(["--stop_after_steps", "3"], log_dir)
+    sharded = torchrun(2, ["train_gpt2.py"] + EIGHT_STEPS + ["--log_dir", str(log_dir), "--shard_optimizer",
+                                                             "--resume", "auto", "--stop_after_steps", "3"])
     assert sharded.returncode == 0, sharded.stderr
     assert "optimizer state sharded over the processes" in sharded.stdout
     num_tensors = len(list(t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64)).parameters()))
-    assert len(torch.load(log_dir / "ckpt_3.pt")["optimizer"][0]["state"]) == num_tensors  # both shares
-    plain = run_script(args + ["--resume", "auto", "--stop_after_steps", "3"], env=ONE_THREAD)
-    assert plain.returncode == 0, plain.stderr
-    sharded_again = torchrun(2, ["train_gpt2.py"] + args + ["--shard_optimizer", "--resume", "auto"])
-    assert sharded_again.returncode == 0, sharded_again.stderr
-    assert logged(log_dir) == logged(tmp_path / "straight")
+    assert len(torch.load(log_dir / "ckpt_6.pt")["optimizer"][0]["state"]) == num_tensors  # both shares
+    run(["--resume", "auto"], log_dir)
+    assert logged(log_dir) == logged(straight)
     assert torch.load(log_dir / "ckpt_8.pt")["windows_consumed"] == 8 * 8  # 8 steps of 256 tokens = 8 windows of 32
 
 
-def test_muon_in_two_processes_trains_like_one_and_resumes_exactly_at_another_count_plain_or_sharded(tmp_path):
+def test_muon_in_two_processes_trains_like_one_and_resumes_exactly_at_another_count_plain_or_sharded(tmp_path,
+                                                                                                     one_thread):
     """--optimizer muon: 2 plain processes stop after 3 steps, 1 process goes on for 3, 2 with the optimizers sharded
     finish; every loss is the uninterrupted 1-process run's, bitwise (as for AdamW above: the ranks' averaged
     gradient is one process's, and Muon steps each matrix alone), so both optimizers' states went through each
-    checkpoint whole; and one schedule set both optimizers' learning rates."""
+    checkpoint whole; and one schedule set both optimizers' learning rates. (The 1-process runs are this process's,
+    with one thread, as torchrun's.)"""
     muon = EIGHT_STEPS + ["--optimizer", "muon"]
-    straight = run_script(muon + ["--log_dir", str(tmp_path / "straight")], env=ONE_THREAD)
-    assert straight.returncode == 0, straight.stderr
+    run(["--optimizer", "muon"], tmp_path / "straight")
     log_dir = tmp_path / "log"
     args = muon + ["--log_dir", str(log_dir)]
     two = torchrun(2, ["train_gpt2.py"] + args + ["--stop_after_steps", "3"])
@@ -183,8 +205,8 @@ def test_muon_in_two_processes_trains_like_one_and_resumes_exactly_at_another_co
     # Muon: each block's 4 matrices; AdamW: both embeddings, each block's 4 biases and 2 LayerNorms, the final one
     assert len(muon_state["state"]) == 2 * 4 and len(adamw_state["state"]) == 2 + 2 * (4 + 2 * 2) + 2
     assert all(set(state) == {"momentum_buffer"} for state in muon_state["state"].values())
-    one = run_script(args + ["--resume", "auto", "--stop_after_steps", "3"], env=ONE_THREAD)
-    assert one.returncode == 0, one.stderr
+    one = run(["--optimizer", "muon", "--resume", "auto", "--stop_after_steps", "3"], log_dir)
+    assert [r["step"] for r in one.records if "train_loss" in r] == [3, 4, 5]
     sharded = torchrun(2, ["train_gpt2.py"] + args + ["--shard_optimizer", "--resume", "auto"])
     assert sharded.returncode == 0, sharded.stderr
     assert logged(log_dir) == logged(tmp_path / "straight") and len(logged(log_dir)) == 8
@@ -262,24 +284,31 @@ def one_line_error(result):
     return lines[0]
 
 
+@pytest.fixture(scope="module")
+def two_checkpoints_run(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("two_checkpoints")
+    run(["--ckpt_every", "4"], log_dir)
+    return log_dir
+
+
 @pytest.fixture
-def two_checkpoints(tmp_path):
-    run(["--ckpt_every", "4"], tmp_path)
-    return tmp_path
+def two_checkpoints(two_checkpoints_run, tmp_path):
+    """A copy of one 8-step run's folder (ckpt_4.pt, ckpt_8.pt, metrics.jsonl), each test's own to break."""
+    return Path(shutil.copytree(two_checkpoints_run, tmp_path / "log"))
 
 
-def test_truncated_checkpoint(two_checkpoints):
+def test_truncated_checkpoint(two_checkpoints, capsys):
     newest = two_checkpoints / "ckpt_8.pt"
     newest.write_bytes(newest.read_bytes()[:1000])
     (two_checkpoints / "ckpt_8.pt.sha256").unlink()  # as if killed before the checksum was written
     line = one_line_error(run_script(EIGHT_STEPS + ["--log_dir", str(two_checkpoints), "--resume", str(newest)]))
     assert line.startswith(f"error: cannot read checkpoint {newest} (")
     assert line.endswith("): resume from an older checkpoint")
-    # auto warns and takes the one before
-    result = run_script(EIGHT_STEPS + ["--log_dir", str(two_checkpoints), "--resume", "auto"])
-    assert result.returncode == 0, result.stderr
-    assert f"warning: skipping cannot read checkpoint {newest}" in result.stdout
-    assert "resumed from step 4" in result.stdout
+    # auto warns and takes the one before (in this process: a warning, not an exit)
+    run(["--resume", "auto"], two_checkpoints)
+    out = capsys.readouterr().out
+    assert f"warning: skipping cannot read checkpoint {newest}" in out
+    assert "resumed from step 4" in out
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's /proc")
@@ -371,38 +400,43 @@ def test_a_signal_finishes_the_step_checkpoints_and_exits_cleanly(tmp_path, sign
 ANSWERED = "the step ends, a checkpoint is written, then the run stops (a second Ctrl-C stops at once)"
 
 
-@pytest.mark.parametrize("ckpt_every", [2, 0])
+@pytest.mark.parametrize("ckpt_every", [1, 0])
 def test_a_second_ctrl_c_stops_at_once_with_one_line_saying_what_is_lost(tmp_path, ckpt_every):
-    """It ended in a KeyboardInterrupt traceback. Steps of 64 micro-steps (a second or more): both Ctrl-Cs land in
-    step 3, after ckpt_2.pt and before the checkpoint the first one asks for at the end of the step. The second is
-    sent once the first is answered, however long a step takes (two pending signals would be one)."""
-    args = TINY_ARGS + ["--max_steps", "100000", "--total_batch_size", str(256 * 64), "--ckpt_every",
-                        str(ckpt_every), "--log_dir", str(tmp_path)]
+    """It ended in a KeyboardInterrupt traceback. Steps of 32 micro-steps (some 2 seconds, against the milliseconds
+    the signals take): both Ctrl-Cs land in step 1, after ckpt_1.pt and before the checkpoint the first one asks
+    for at the end of the step. The first is sent once step 0's sample is printed, after step 0 looked for a
+    signal and wrote its checkpoint (sent at a step's line, on a loaded machine it landed before that, and that
+    step stopped the run); the second once the first is answered, however long a step takes (two pending signals
+    would be one)."""
+    args = TINY_ARGS + ["--max_steps", "100000", "--total_batch_size", str(128 * 32), "--ckpt_every",
+                        str(ckpt_every), "--sample_every", "1", "--num_samples", "1", "--max_new_tokens", "2",
+                        "--log_dir", str(tmp_path)]
     process = start_training(["train_gpt2.py"] + args)
-    wait_for_line(process, "step     2/100000")
+    wait_for_line(process, "sample 0: ")
     process.send_signal(signal.SIGINT)
     assert process.stderr.readline() == f"SIGINT: {ANSWERED}\n"
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=60)
     assert "stopped by a signal" not in out and process.returncode == 130
-    lost = (f"the steps after {tmp_path / 'ckpt_2.pt'} are lost; to go on from it, run the same command with "
+    lost = (f"the steps after {tmp_path / 'ckpt_1.pt'} are lost; to go on from it, run the same command with "
             "--resume auto" if ckpt_every else "no checkpoint was written, its steps are lost")
     assert err == f"stopped at once by a second Ctrl-C: {lost}\n"
-    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == (["ckpt_2.pt", "ckpt_2.pt.sha256"] if ckpt_every
+    assert sorted(p.name for p in tmp_path.glob("ckpt_*")) == (["ckpt_1.pt", "ckpt_1.pt.sha256"] if ckpt_every
                                                               else [])
 
 
 def test_ctrl_c_in_another_run_mode_stops_it_at_once_with_one_line(tmp_path):
     """--generate has nothing to save: the first Ctrl-C ends it. 200,000 tokens of a tiny model take minutes; the
-    signal comes once the model is generating (the script's start, imports included, takes a few seconds)."""
+    signal comes once the script has built the model and said so, before it generates."""
     process = start_training(["train_gpt2.py", "--generate", "--device", "cpu", "--n_layer", "2", "--n_head", "2",
                               "--n_embd", "32", "--block_size", "64", "--seq_len", "64", "--num_samples", "1",
                               "--max_new_tokens", "200000", "--log_dir", str(tmp_path / "log")])
-    time.sleep(15)
+    untrained = "no --init_from: the samples come from untrained weights\n"
+    seen = wait_for_line(process, untrained)
     still_running = process.poll() is None
     process.send_signal(signal.SIGINT)
     out, err = process.communicate(timeout=60)
-    untrained = "no --init_from: the samples come from untrained weights\n"
+    out = "".join(seen) + out
     assert still_running and (process.returncode, out, err) == (130, untrained, "stopped by Ctrl-C\n"), err
 
 

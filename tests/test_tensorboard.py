@@ -44,7 +44,8 @@ def test_a_run_writes_every_figure_of_metrics_jsonl_at_its_step(tmp_path):
 
 def test_a_run_killed_after_a_checkpoint_and_resumed_holds_each_step_once(tmp_path):
     """kill -9 leaves events past the checkpoint (here step 4's validation at least); the resumed run's writer
-    makes TensorBoard drop them from the checkpoint's step on, as metrics.jsonl drops those records."""
+    makes TensorBoard drop them from the checkpoint's step on, as metrics.jsonl drops those records. (The killed run
+    is a process; the resumed one, this process.)"""
     args = BOARD_ARGS + ["--max_steps", "100000", "--ckpt_every", "4", "--eval_every", "5", "--log_dir",
                          str(tmp_path)]
     process = start_training(["train_gpt2.py"] + args)
@@ -53,8 +54,7 @@ def test_a_run_killed_after_a_checkpoint_and_resumed_holds_each_step_once(tmp_pa
     process.communicate(timeout=60)
     assert sorted(p.name for p in tmp_path.glob("ckpt_*.pt")) == ["ckpt_4.pt"]
     assert [step for step, _ in board_curves(tmp_path)["val_loss"]] == [-1, 4]  # the killed run's
-    resumed = run_script(args + ["--resume", "auto", "--stop_after_steps", "2", "--eval_every", "0"], env=ONE_THREAD)
-    assert resumed.returncode == 0, resumed.stderr
+    t.main(t.parse_args(args + ["--resume", "auto", "--stop_after_steps", "2", "--eval_every", "0"]))
     curves = board_curves(tmp_path)
     assert [step for step, _ in curves["val_loss"]] == [-1]  # step 4's went with the rest from step 4 on
     assert [step for step, _ in curves["train_loss"]] == list(range(6))
@@ -62,8 +62,8 @@ def test_a_run_killed_after_a_checkpoint_and_resumed_holds_each_step_once(tmp_pa
 
 
 def test_a_run_stopped_and_resumed_continues_the_same_curves(tmp_path):
-    assert run_script(BOARD_ARGS + ["--log_dir", str(tmp_path), "--stop_after_steps", "5"]).returncode == 0
-    assert run_script(BOARD_ARGS + ["--log_dir", str(tmp_path), "--resume", "auto"]).returncode == 0
+    t.main(t.parse_args(BOARD_ARGS + ["--log_dir", str(tmp_path), "--stop_after_steps", "5"]))
+    t.main(t.parse_args(BOARD_ARGS + ["--log_dir", str(tmp_path), "--resume", "auto"]))
     curves = board_curves(tmp_path)
     assert [step for step, _ in curves["train_loss"]] == list(range(8))
     assert curves == jsonl_curves(tmp_path)
