@@ -1210,12 +1210,12 @@ def catching_stop_signals(say: bool):
     stop = {"requested": False}
 
     def handle(signum, frame):
-        if stop["requested"] and signum == signal.SIGINT:
+        first, stop["requested"] = not stop["requested"], True  # before the write: a 2nd
+        if not first and signum == signal.SIGINT:  # Ctrl-C during it is a 2nd, not a 1st again
             raise KeyboardInterrupt
-        if say and not stop["requested"]:  # os.write: a print may be half done beneath us
+        if say and first:  # os.write: a print may be half done beneath us
             os.write(2, f"{signal.Signals(signum).name}: the step ends, a checkpoint is written, "
                      "then the run stops (a second Ctrl-C stops at once)\n".encode())
-        stop["requested"] = True
     previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGTERM,
                 signal.SIGHUP, signal.SIGINT) if signal.getsignal(signum) is not signal.SIG_IGN}
     try:

@@ -425,6 +425,24 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line_saying_what_is_lost(tmp_pat
                                                               else [])
 
 
+def test_a_second_ctrl_c_while_the_first_is_being_answered_stops_at_once(monkeypatch):
+    """It was taken for a first one (the flag was set after the message's write): the message twice, and the run
+    went on to a checkpoint and exit 0. Here the second SIGINT arrives inside that write, as it can under load."""
+    written = []
+
+    def write(fd, data):  # the second Ctrl-C lands while the first one's line is being written
+        written.append(data.decode())
+        if len(written) == 1:
+            signal.raise_signal(signal.SIGINT)
+        return len(data)
+    with t.catching_stop_signals(True) as stop:
+        monkeypatch.setattr(t.os, "write", write)
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        monkeypatch.undo()
+    assert stop["requested"] and written == [f"SIGINT: {ANSWERED}\n"]
+
+
 def test_ctrl_c_in_another_run_mode_stops_it_at_once_with_one_line(tmp_path):
     """--generate has nothing to save: the first Ctrl-C ends it. 200,000 tokens of a tiny model take minutes; the
     signal comes once the script has built the model and said so, before it generates."""
