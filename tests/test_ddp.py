@@ -1,5 +1,6 @@
 """DDP for real: torchrun starts 2 processes on the gloo backend, as a user would on a CPU machine."""
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+import train_gpt2 as t
 from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, run_python
 
 ENTRY = "tests/ddp_entry.py"
@@ -77,15 +79,24 @@ def on_two_nodes(args, timeout=120, node_extra_args=([], [])):
     return [(node.returncode, *output) for node, output in zip(nodes, outputs, strict=True)]
 
 
-def test_two_processes_on_one_machine_or_two_train_exactly_like_one(tmp_path):
+def in_background(pool, *calls):
+    """Each (function, *args) of calls started in pool's threads, for subprocesses that wait on each other: the
+    machine's other core works while one launch starts up. Their futures, in order."""
+    return [pool.submit(*call) for call in calls]
+
+
+def test_two_processes_on_one_machine_or_two_train_exactly_like_one(tmp_path, one_thread):
     """2 ranks x 1 micro-step vs 1 process x 2 micro-steps, same total batch: the same tokens each step. The 2
-    ranks run under one torchrun (--standalone), and under two as on two machines (--nnodes=2)."""
+    ranks run under one torchrun (--standalone), and under two as on two machines (--nnodes=2); the 1 process is
+    this one (one thread, as OMP_NUM_THREADS=1 gives the ranks), training while they start."""
     flags = TINY_ARGS + ["--max_steps", "6", "--eval_every", "3", "--eval_steps", "2"]
-    one = run_python([ENTRY, "train", str(tmp_path / "one.pt")] + flags + ["--log_dir", str(tmp_path / "one")],
-                     env=ONE_THREAD)
-    two = torchrun(2, [ENTRY, "train", str(tmp_path / "two.pt")] + flags + ["--log_dir", str(tmp_path / "two")])
-    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
-    nodes = on_two_nodes(["train_gpt2.py"] + flags + ["--log_dir", str(tmp_path / "nodes")])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        two, nodes = in_background(
+            pool, (torchrun, 2, [ENTRY, "train", str(tmp_path / "two.pt")] + flags + ["--log_dir", str(tmp_path / "two")]),
+            (on_two_nodes, ["train_gpt2.py"] + flags + ["--log_dir", str(tmp_path / "nodes")]))
+        one_params = t.main(t.parse_args(flags + ["--log_dir", str(tmp_path / "one")])).model.state_dict()
+        two, nodes = two.result(), nodes.result()
+    assert two.returncode == 0, two.stderr
     assert [status for status, _, _ in nodes] == [0, 0], [stderr for _, _, stderr in nodes]
     one_records = records(tmp_path / "one")
     for log_dir in ("two", "nodes"):
@@ -93,7 +104,7 @@ def test_two_processes_on_one_machine_or_two_train_exactly_like_one(tmp_path):
             expected = [r[key] for r in one_records if key in r]
             assert len(expected) >= 2 and [r[key] for r in records(tmp_path / log_dir) if key in r] == expected, \
                 (log_dir, key)
-    one_params, two_params = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    two_params = torch.load(tmp_path / "two.pt")
     for name, value in one_params.items():
         assert (value - two_params[name]).abs().max().item() <= 1e-6, name
     assert "2 processes" in two.stdout
@@ -133,8 +144,12 @@ def test_sync_on_the_last_micro_step_only_gives_the_same_gradients(tmp_path):
 def test_batch_not_divisible_by_world_size_stops_every_rank_with_one_line(tmp_path):
     # 384 tokens a step = 3 sequences of 4 x 32: one process can accumulate them, two cannot split them
     flags = TINY_ARGS + ["--total_batch_size", "384", "--log_dir", str(tmp_path / "log")]
-    assert run_python(["train_gpt2.py"] + flags + ["--max_steps", "2"]).returncode == 0
-    result = torchrun(2, ["train_gpt2.py"] + flags)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        [result] = in_background(pool, (torchrun, 2, ["train_gpt2.py"] + flags))
+        # one process (this one, meanwhile) trains on it: 3 micro-steps a step
+        one = t.main(t.parse_args(flags[:-1] + [str(tmp_path / "one"), "--max_steps", "2"]))
+        result = result.result()
+    assert [r["step"] for r in one.records if "train_loss" in r] == [0, 1]
     assert result.returncode != 0
     message = ("error: --total_batch_size 384 is not divisible by micro_batch_size x seq_len x processes "
                "= 4 x 32 x 2 = 256: use --micro_batch_size 3, the largest that divides it, or make --total_batch_size "
@@ -207,9 +222,8 @@ def test_ranks_that_find_different_checkpoints_are_refused_with_one_line(tmp_pat
     """--resume auto where each machine has its own --log_dir: only rank 0's holds a checkpoint."""
     folders = own_folders(tmp_path)
     flags = TINY_ARGS + ["--max_steps", "4", "--log_dir", "log"]
-    first = run_python(["train_gpt2.py"] + flags[:-1] + [str(folders[0] / "log"), "--stop_after_steps", "2"],
-                       env=ONE_THREAD)
-    assert first.returncode == 0, first.stderr
+    t.main(t.parse_args(flags[:-1] + [str(folders[0] / "log"), "--stop_after_steps", "2"]))  # here: rank 0's
+    assert sorted(p.name for p in (folders[0] / "log").glob("ckpt_*.pt")) == ["ckpt_2.pt"]
     result = torchrun(2, [ENTRY, "own_folders", str(tmp_path)] + flags + ["--resume", "auto"])
     assert_every_rank_stopped_with_one_line(result, "error: the ranks found different data or checkpoints ((train "
                                                     "tokens, val tokens, checkpoint step) on each: [(304222, 33803, 2), "
@@ -230,30 +244,47 @@ def test_a_rank_that_raises_mid_training_ends_every_rank(tmp_path):
     assert "step     4/100000" not in result.stdout
 
 
-def test_compiled_ddp_with_accumulation_trains_like_one_eager_process(tmp_path):
+@pytest.fixture(scope="module")
+def accumulating_runs(tmp_path_factory):
+    """2 micro-steps a rank: 2 ranks under torchrun with --compile, and 2 with --recompute, started together; and
+    their reference, one plain eager process (this one, with one thread) with 4 micro-steps, training meanwhile.
+    {"one", "compiled", "recomputed"}: (the launch's result, or None for this process; its log_dir)."""
+    folder = tmp_path_factory.mktemp("accumulating")
+    flags = TINY_ARGS + ["--max_steps", "3", "--total_batch_size", "512"]  # 2 micro-steps a rank
+    threads = torch.get_num_threads()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        compiled, recomputed = in_background(
+            pool, (torchrun, 2, ["train_gpt2.py"] + flags + ["--compile", "--log_dir", str(folder / "compiled")]),
+            (torchrun, 2, ["train_gpt2.py"] + flags + ["--recompute", "--log_dir", str(folder / "recomputed")]))
+        torch.set_num_threads(1)
+        try:
+            t.main(t.parse_args(flags + ["--log_dir", str(folder / "one")]))
+        finally:
+            torch.set_num_threads(threads)
+        return {"one": (None, folder / "one"), "compiled": (compiled.result(), folder / "compiled"),
+                "recomputed": (recomputed.result(), folder / "recomputed")}
+
+
+def test_compiled_ddp_with_accumulation_trains_like_one_eager_process(accumulating_runs):
     """torch.compile under DDP, the multi-GPU default: dynamo splits the graph at DDP's gradient buckets, and
     no_sync skips all but the last micro-step's all-reduce. On CPU with gloo the same code paths run."""
-    flags = TINY_ARGS + ["--max_steps", "3", "--total_batch_size", "512"]  # 2 micro-steps a rank
-    one = run_python(["train_gpt2.py"] + flags + ["--log_dir", str(tmp_path / "one")], env=ONE_THREAD)
-    two = torchrun(2, ["train_gpt2.py"] + flags + ["--compile", "--log_dir", str(tmp_path / "two")])
-    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    (_, one), (two, compiled) = accumulating_runs["one"], accumulating_runs["compiled"]
+    assert two.returncode == 0, two.stderr
     assert "compile on), 2 processes" in two.stdout
-    eager = [r["train_loss"] for r in records(tmp_path / "one") if "train_loss" in r]
-    compiled = [r["train_loss"] for r in records(tmp_path / "two") if "train_loss" in r]
+    eager = [r["train_loss"] for r in records(one) if "train_loss" in r]
+    compiled = [r["train_loss"] for r in records(compiled) if "train_loss" in r]
     assert len(eager) == 3 and max(abs(a - b) for a, b in zip(eager, compiled, strict=True)) < 1e-4
 
 
-def test_recompute_under_ddp_trains_like_one_plain_process(tmp_path):
+def test_recompute_under_ddp_trains_like_one_plain_process(accumulating_runs):
     """--recompute runs each block again inside backward, while DDP's hooks reduce the gradients as they come.
     Within float32 rounding: a rank's 2 micro-steps are averaged before the ranks are, one process averages 4."""
-    flags = TINY_ARGS + ["--max_steps", "3", "--total_batch_size", "512"]  # 2 micro-steps a rank
-    one = run_python(["train_gpt2.py"] + flags + ["--log_dir", str(tmp_path / "one")], env=ONE_THREAD)
-    two = torchrun(2, ["train_gpt2.py"] + flags + ["--recompute", "--log_dir", str(tmp_path / "two")])
-    assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
+    (_, one), (two, recomputed) = accumulating_runs["one"], accumulating_runs["recomputed"]
+    assert two.returncode == 0, two.stderr
     for key in ("train_loss", "grad_norm"):
-        expected = [r[key] for r in records(tmp_path / "one") if key in r]
-        recomputed = [r[key] for r in records(tmp_path / "two") if key in r]
-        assert len(expected) == 3 and max(abs(a - b) for a, b in zip(expected, recomputed, strict=True)) < 1e-5, key
+        expected = [r[key] for r in records(one) if key in r]
+        got = [r[key] for r in records(recomputed) if key in r]
+        assert len(expected) == 3 and max(abs(a - b) for a, b in zip(expected, got, strict=True)) < 1e-5, key
 
 
 def test_a_loss_that_turns_nan_on_one_rank_stops_every_rank_with_one_line(tmp_path):

@@ -103,16 +103,46 @@ def test_the_worked_change_is_at_most_15_lines_and_changes_the_model(monkeypatch
     assert same_first and differ_later, "the rotation must leave position 0 alone and turn the later ones"
 
 
-def test_the_worked_change_passes_the_model_tests_a_hacker_runs():
-    """`pytest -m "not recipe" tests/test_model.py`, the README's change made before the tests import the file."""
+class Share:
+    """A pytest plugin: of the tests left after -m's selection, this process runs those at places index, index +
+    count, ... and writes to path every selected test's id, then its own share's."""
+
+    def __init__(self, index, count, path):
+        self.index, self.count, self.path = index, count, path
+
+    @pytest.hookimpl(trylast=True)  # after -m has deselected
+    def pytest_collection_modifyitems(self, config, items):
+        share = items[self.index::self.count]
+        config.hook.pytest_deselected(items=[item for item in items if item not in share])
+        with open(self.path, "w") as f:
+            f.write(" ".join(item.nodeid for item in items) + "\n" + " ".join(item.nodeid for item in share) + "\n")
+        items[:] = share
+
+
+def test_the_worked_change_passes_the_model_tests_a_hacker_runs(tmp_path):
+    """`pytest -m "not recipe" tests/test_model.py`, the README's change made before the tests import the file. Its
+    tests are shared between 2 processes of one thread, one a core, that together run each test exactly once."""
     script = ("import sys, pytest, train_gpt2, test_readme\n"
               "train_gpt2.CausalSelfAttention = test_readme.worked_change_attention(vars(train_gpt2))\n"
-              "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-m', 'not recipe', 'tests/test_model.py']))\n")
+              "share = test_readme.Share(int(sys.argv[1]), 2, sys.argv[2])\n"
+              "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-m', 'not recipe', 'tests/test_model.py'],"
+              " plugins=[share]))\n")
     path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path})
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
-    assert " passed" in result.stdout and "failed" not in result.stdout and "skipped" not in result.stdout
+    shares = [subprocess.Popen([sys.executable, "-c", script, str(index), str(tmp_path / f"share{index}")], cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}) for index in (0, 1)]
+    try:
+        outputs = [share.communicate(timeout=600) for share in shares]
+    finally:
+        for share in shares:
+            share.kill()
+    selected, ran = zip(*((tmp_path / f"share{index}").read_text().split("\n")[:2] for index in (0, 1)), strict=True)
+    assert selected[0] and selected[0] == selected[1]
+    assert sorted(ran[0].split() + ran[1].split()) == sorted(selected[0].split())  # each test once
+    for share, (stdout, stderr), tests in zip(shares, outputs, ran, strict=True):
+        assert share.returncode == 0, stdout[-3000:] + stderr[-2000:]
+        assert re.search(rf"^{len(tests.split())} passed", stdout, re.M), stdout
+        assert "failed" not in stdout and "skipped" not in stdout, stdout
 
 
 def test_the_readme_names_torchruns_variables_and_the_rank_that_logs_and_saves():

@@ -2,11 +2,15 @@
 checkpoints and resumes, on one process and under torchrun, with the full script's numbers; and the
 one cross-entropy keeps validation's memory down with --loss_chunk_size."""
 
+import concurrent.futures
 import json
 import os
 import re
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from conftest import ROOT, SHAKESPEARE, TINY_ARGS, run_script
 
@@ -16,9 +20,13 @@ TINY = {**{k: (v if k in ("device", "text_file") else float(v) if "." in v or "e
            for k, v in TINY.items()},
         "max_steps": 6, "eval_every": 2, "eval_steps": 2, "sample_every": 6, "num_samples": 1,
         "max_new_tokens": 4, "hellaswag_every": 3, "ckpt_every": 2}
+# each config given, one after another in this process, their outputs apart by a line of rank 0's
 DRIVER = """import json, os, sys
 import recipe
-recipe.train(recipe.TrainConfig(**json.loads(sys.argv[1])))
+for config in sys.argv[1:]:
+    recipe.train(recipe.TrainConfig(**json.loads(config)))
+    if os.environ.get("RANK", "0") == "0":
+        print("=== the next run", flush=True)
 """
 # the lines that carry numbers the run computed: a step's loss, lr and norm, an evaluation's scores
 NUMBERS = re.compile(r"^step +-?\d+/\d+ \| (loss \S+ \| lr \S+ \| norm \S+|val loss \S+$|HellaSwag .*$)")
@@ -47,48 +55,64 @@ def numbers(output):
     return [match.group(0) for line in output.splitlines() if (match := NUMBERS.search(line))]
 
 
-def run_recipe(folder, config, processes=1):
+def run_recipe(folder, *configs, processes=1):
+    """The recipe's output for each config, run one after another by one process (or under torchrun)."""
     command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
                if processes > 1 else [sys.executable])
-    result = subprocess.run(command + ["driver.py", json.dumps(config)], cwd=folder, capture_output=True,
-                            text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(command + ["driver.py"] + [json.dumps(config) for config in configs], cwd=folder,
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    outputs = result.stdout.split("=== the next run\n")
+    assert len(outputs) == len(configs) + 1 and outputs[-1] == "", result.stdout
+    return outputs[:-1]
 
 
 def as_flags(config):
     return [arg for key, value in config.items() for arg in (f"--{key}", str(value))]
 
 
-def test_the_recipe_alone_trains_evaluates_samples_and_resumes_with_the_full_scripts_numbers(tmp_path):
+@pytest.fixture(scope="module")
+def alone_and_full(tmp_path_factory):
+    """The recipe alone and the full script, on one config with evaluation, HellaSwag, samples and checkpoints on,
+    started together (one core each); the recipe's process then runs that config again, stopped after 3 steps by
+    --stop_after_steps. (folder, config, alone's output, full's result, the stopped run's output)."""
+    tmp_path = tmp_path_factory.mktemp("recipe")
     folder, hellaswag = recipe_folder(tmp_path), hellaswag_file(tmp_path)
     config = {**TINY, "hellaswag_path": hellaswag, "log_dir": str(tmp_path / "alone")}
-    alone = run_recipe(folder, config)
-    full = run_script(as_flags({**config, "log_dir": str(tmp_path / "full")}), env={"OMP_NUM_THREADS": "1"})
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        full = pool.submit(run_script, as_flags({**config, "log_dir": str(tmp_path / "full")}),
+                           {"OMP_NUM_THREADS": "1"})
+        alone, first = run_recipe(folder, config, {**config, "log_dir": str(tmp_path / "parts"), "stop_after_steps": 3})
+        return folder, config, alone, full.result(), first
+
+
+def test_the_recipe_alone_trains_evaluates_samples_and_resumes_with_the_full_scripts_numbers(alone_and_full):
+    folder, config, alone, full, first = alone_and_full
     assert full.returncode == 0, full.stderr[-3000:]
     assert len(numbers(alone)) == 1 + 6 + 3 + 2  # val loss at -1, 6 steps, 3 val losses, 2 HellaSwag
     assert numbers(alone) == numbers(full.stdout)
     assert "sample 0: Hello, I'm a language model," in alone
-    assert sorted(p.name for p in (tmp_path / "alone").iterdir()) == ["ckpt_2.pt", "ckpt_4.pt", "ckpt_6.pt"]
+    log_dir = config["log_dir"]
+    assert sorted(p.name for p in Path(log_dir).iterdir()) == ["ckpt_2.pt", "ckpt_4.pt", "ckpt_6.pt"]
 
-    # stopped after 3 steps by --stop_after_steps, then resumed from its checkpoint: the same numbers
-    first = run_recipe(folder, {**config, "log_dir": str(tmp_path / "parts"), "stop_after_steps": 3})
+    # stopped after 3 steps by --stop_after_steps, then resumed from its checkpoint in a new process: the same numbers
     assert "stopped by --stop_after_steps 3 after step 2, checkpoint" in first
-    rest = run_recipe(folder, {**config, "log_dir": str(tmp_path / "parts"), "resume": str(tmp_path / "parts" / "ckpt_3.pt")})
+    parts = Path(log_dir).parent / "parts"
+    [rest] = run_recipe(folder, {**config, "log_dir": str(parts), "resume": str(parts / "ckpt_3.pt")})
     assert "resumed from step 3" in rest
     assert numbers(first) + numbers(rest) == numbers(alone)
 
 
-def test_the_recipe_alone_under_torchrun_on_2_processes_gives_the_losses_of_1(tmp_path):
-    folder = recipe_folder(tmp_path)
-    config = {**TINY, "hellaswag_every": 0, "sample_every": 0, "log_dir": str(tmp_path / "one")}
-    one = run_recipe(folder, config)
-    two = run_recipe(folder, {**config, "log_dir": str(tmp_path / "two")}, processes=2)
-    assert len(numbers(one)) == 1 + 6 + 3 and numbers(two) == numbers(one)
+def test_the_recipe_alone_under_torchrun_on_2_processes_gives_the_losses_of_1(alone_and_full):
+    """The first test's config, HellaSwag and the sample included, on 2 processes: the numbers of 1."""
+    folder, config, alone, _, _ = alone_and_full
+    [two] = run_recipe(folder, {**config, "log_dir": str(Path(config["log_dir"]).parent / "two")}, processes=2)
+    assert len(numbers(alone)) == 1 + 6 + 3 + 2 and numbers(two) == numbers(alone)
 
 
 def peak_memory_gib(tmp_path, *flags):
     """--eval_only at 8 x 1024 tokens on a tiny model, whose 50,304 logits a token dominate: (val loss, peak RSS)."""
+    tmp_path.mkdir()
     code = ("import resource, sys, train_gpt2 as t; t.main(t.parse_args(sys.argv[1:])); "
             "print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)")
     result = subprocess.run([sys.executable, "-c", code, "--n_layer", "1", "--n_head", "2", "--n_embd", "32",
@@ -103,7 +127,9 @@ def peak_memory_gib(tmp_path, *flags):
 
 def test_validation_with_loss_chunk_size_never_holds_the_whole_logits(tmp_path):
     """The float32 logits of 8 x 1024 tokens are 1.6 GiB, their log-softmax as much again: chunked, neither is made."""
-    plain_loss, plain_peak = peak_memory_gib(tmp_path)
-    chunked_loss, chunked_peak = peak_memory_gib(tmp_path, "--loss_chunk_size", "256")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # two processes, one a core: each its own peak
+        chunked = pool.submit(peak_memory_gib, tmp_path / "chunked", "--loss_chunk_size", "256")
+        plain_loss, plain_peak = peak_memory_gib(tmp_path / "plain")
+        chunked_loss, chunked_peak = chunked.result()
     assert abs(chunked_loss - plain_loss) < 1e-4
     assert plain_peak > 3.0 and chunked_peak < plain_peak - 1.6, (plain_peak, chunked_peak)  # 1.6: the logits
