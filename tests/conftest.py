@@ -14,6 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
 sys.path.insert(0, str(ROOT))
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `-n 2`: a core each, their subprocesses too (not 2 threads each)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 if (SHARED / "tiktoken_cache").is_dir():  # offline copy of the GPT-2 BPE files (CI has no network)
     os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(SHARED / "tiktoken_cache"))
 
