@@ -1210,8 +1210,8 @@ def catching_stop_signals(say: bool):
     stop = {"requested": False}
 
     def handle(signum, frame):
-        first, stop["requested"] = not stop["requested"], True  # before the write: a 2nd
-        if not first and signum == signal.SIGINT:  # Ctrl-C during it is a 2nd, not a 1st again
+        first, stop["requested"] = not stop["requested"], True  # set before the write below
+        if not first and signum == signal.SIGINT:
             raise KeyboardInterrupt
         if say and first:  # os.write: a print may be half done beneath us
             os.write(2, f"{signal.Signals(signum).name}: the step ends, a checkpoint is written, "
