@@ -1,5 +1,6 @@
 """Shared test setup: offline tokenizer files, the tiny Shakespeare text, a tiny model's flags."""
 
+import contextlib
 import os
 import resource
 import signal
@@ -89,15 +90,24 @@ def tiny_args(tmp_path):
     return TINY_ARGS + ["--log_dir", str(tmp_path / "log")]
 
 
-@pytest.fixture
-def one_thread():
+@contextlib.contextmanager
+def single_thread():
     """For bitwise comparisons between runs in this process. With one thread no kernel can split a sum
     differently from one run to the next; two identical 2-thread runs once differed by a few ulps at step 0
     on a loaded CI machine. (Subprocess tests get OMP_NUM_THREADS=1 for the same reason.)"""
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def one_thread():
+    """single_thread() for the whole test (a module's fixtures use single_thread() itself)."""
+    with single_thread():
+        yield
 
 
 # What torch.cuda.get_device_properties reports on each real card: name, compute capability, memory in bytes

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import train_gpt2 as t
-from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, named, run_script
+from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, named, run_script, single_thread
 from resume_memory import resident_gib
 from test_ddp import ENTRY, ONE_THREAD, assert_every_rank_stopped_with_one_line, torchrun
 
@@ -34,12 +34,9 @@ def straight(tmp_path_factory):
     ONE_THREAD: bitwise the same): the --log_dir (metrics.jsonl, ckpt_8.pt) that several tests' stopped, failed or
     restarted and resumed runs must end up equal to. 2 processes of 1 micro-step and 1 process of 2 compute each
     step bitwise alike (their averaged gradient is the same sum, halved): it is the 2-process tests' too."""
-    log_dir, threads = tmp_path_factory.mktemp("straight"), torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    log_dir = tmp_path_factory.mktemp("straight")
+    with single_thread():
         run([], log_dir)
-    finally:
-        torch.set_num_threads(threads)
     return log_dir
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train_gpt2 as t
-from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, run_python
+from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, run_python, single_thread
 
 ENTRY = "tests/ddp_entry.py"
 # Thread count changes float results; torchrun sets 1 thread for several processes, so pin it everywhere.
@@ -251,16 +251,12 @@ def accumulating_runs(tmp_path_factory):
     {"one", "compiled", "recomputed"}: (the launch's result, or None for this process; its log_dir)."""
     folder = tmp_path_factory.mktemp("accumulating")
     flags = TINY_ARGS + ["--max_steps", "3", "--total_batch_size", "512"]  # 2 micro-steps a rank
-    threads = torch.get_num_threads()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         compiled, recomputed = in_background(
             pool, (torchrun, 2, ["train_gpt2.py"] + flags + ["--compile", "--log_dir", str(folder / "compiled")]),
             (torchrun, 2, ["train_gpt2.py"] + flags + ["--recompute", "--log_dir", str(folder / "recomputed")]))
-        torch.set_num_threads(1)
-        try:
+        with single_thread():
             t.main(t.parse_args(flags + ["--log_dir", str(folder / "one")]))
-        finally:
-            torch.set_num_threads(threads)
         return {"one": (None, folder / "one"), "compiled": (compiled.result(), folder / "compiled"),
                 "recomputed": (recomputed.result(), folder / "recomputed")}
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt2 as t
-from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, run_script
+from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, run_script, single_thread
 from test_cli import error_line_in_process
 from test_ddp import torchrun
 from test_model import document_mask, visible_as
@@ -37,12 +37,8 @@ def three_steps(tmp_path_factory):
     one_thread fixture would) for the tests that start from it: each copies the folder, and calls .eval() on the
     model itself (no dropout: eval and train give the same logits)."""
     log_dir = tmp_path_factory.mktemp("three_steps") / "log"
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with single_thread():
         model = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "3", "--log_dir", str(log_dir)])).model
-    finally:
-        torch.set_num_threads(previous)
     return log_dir, model
 
 
