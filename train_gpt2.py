@@ -751,25 +751,30 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
 # ------------------------------ evaluation and sampling
 @torch.no_grad()
 def check_paths_agree(model: GPT, device):
-    """Training's forward, the prompt's cached pass and one-token cached steps must give the same
-    float32 logits over a block of text holding <|endoftext|>: a mask or position edited on one
-    path alone stops the run here, naming the first position where they part."""
+    """Training's forward, the prompt's cached pass and one-token cached steps must agree in
+    float32 over a block holding <|endoftext|>: an edit that reached one path alone stops here."""
     T, steps = model.config.block_size, min(4, model.config.block_size - 1)  # steps at the end
-    at = torch.arange(T, device=device)
+    at, first_step = torch.arange(T, device=device), T - steps
     tokens = torch.where(at % 7 == 3, END_OF_TEXT, at * 7919 % GPT2_VOCAB_SIZE)[None]  # (1, T)
+    paths = ["the prompt's cached pass", "a one-token cached step"]  # before first_step, from it
+    edit = ("an edit reached one path alone (say which keys a query sees in visible(), and use "
+            "attention's positions)")
     model.eval()
-    full, caches = model(tokens)[0][0], kv_caches(model)  # (T, vocab_size)
-    cached = [model.logits(model.hidden_states(tokens[:, : T - steps], caches, at[: T - steps]))]
-    cached += [model.logits(model.hidden_states(tokens[:, i : i + 1], caches, at[i : i + 1]))
-               for i in range(T - steps, T)]
+    full, caches, cached = model(tokens)[0][0], kv_caches(model), []  # (T, vocab_size)
+    for chunk in [slice(0, first_step)] + [slice(i, i + 1) for i in range(first_step, T)]:
+        try:
+            cached.append(model.logits(model.hidden_states(tokens[:, chunk], caches, at[chunk]))[0])
+        except Exception as error:  # a mask shaped for training's call alone, say
+            if isinstance(error, torch.OutOfMemoryError):
+                raise
+            raise RunError(f"training's forward runs but {paths[chunk.start >= first_step]} fails "
+                           f"({str(error).splitlines()[0]}): {edit}") from None
     model.train()
-    difference = (torch.cat(cached, dim=1)[0] - full).abs().amax(dim=-1)  # (T,)
+    difference = (torch.cat(cached) - full).abs().amax(dim=-1)  # (T,)
     if (parted := difference > 1e-4 * max(1.0, full.abs().max().item())).any():
         i = int(parted.nonzero()[0])
-        path = "the prompt's cached pass" if i < T - steps else "a one-token cached step"
-        raise RunError(f"the logits of training's forward and of {path} differ at position {i} "
-                       f"by {difference[i]:.3g}: an edit reached one path alone (say which keys a "
-                       "query sees in visible(), and use attention's positions)")
+        raise RunError(f"the logits of training's forward and of {paths[i >= first_step]} differ "
+                       f"at position {i} by {difference[i]:.3g}: {edit}")
 
 
 def validation_loader(stream: TokenStream, cfg: TrainConfig, launch: Launch) -> DataLoader:

@@ -455,6 +455,26 @@ def test_an_edit_that_reaches_one_path_alone_stops_before_step_0_naming_where_th
         t.visible_is_causal.cache_clear()
 
 
+def test_a_window_made_as_attentions_own_mask_stops_before_step_0_naming_the_path_that_fails(tmp_path, monkeypatch,
+                                                                                            capsys):
+    """The third wrong edit of issue 61: a (T, T) window made from the queries' length, passed as attention's own
+    attn_mask. It trained, then died at the end-of-run sample; then with a traceback in the paths check."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def own_window(q, k, v, attn_mask=None, is_causal=False, **kwargs):
+        T = q.size(-2)
+        return sdpa(q, k, v, attn_mask=torch.ones(T, T, dtype=torch.bool).tril().triu(-15), **kwargs)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", own_window)
+    with pytest.raises(SystemExit) as stopped:
+        run(["--max_steps", "2"], tmp_path)
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: training's forward runs but the prompt's cached pass fails (The size of tensor a ")
+    assert err.endswith("): an edit reached one path alone (say which keys a query sees in visible(), and use "
+                        "attention's positions)\n")
+    assert not list((tmp_path / "log").glob("ckpt_*.pt"))
+
+
 class WithAnIdleGain(t.GPT):
     """A hacker's new parameter that forward never uses (layer 0's value-residual scalar, say)."""
 
