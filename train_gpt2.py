@@ -1619,8 +1619,7 @@ def checkpoint_paths(log_dir):
 
 
 def read_checkpoint(path, flag="--resume"):
-    """A checkpoint of ours, checked: torch.save's file, its sha256, its keys; its model_config
-    GPTConfig's fields alone (older files held flags there, as recompute: this run's)."""
+    """Checked; model_config keeps GPTConfig's fields (older files held flags such as recompute)."""
     if not os.path.isfile(path):
         raise RunError(missing_checkpoint(path, flag))
     not_ours, give = f"{flag} {path} is not a checkpoint", "give a ckpt_<step>.pt from a --log_dir"
@@ -1664,11 +1663,8 @@ CHECKPOINT_KEYS = {"model", "model_config", "optimizer", "scaler", "step", "conf
 
 
 def file_sha256(path):
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(2**24):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def load_openai_weights(name):
