@@ -1772,7 +1772,6 @@ def write_atomically(path, write, then=RESUME_AUTO):
 
 @contextlib.contextmanager
 def failed_write_is_one_line(path, then=RESUME_AUTO):
-    """A failed write (full disk, quota) as one RunError naming the folder."""
     try:
         yield
     except (OSError, RuntimeError) as error:  # torch.save's RuntimeError wraps the OSError
@@ -1833,7 +1832,6 @@ def save_checkpoint(path, state, keep):
     for old in checkpoint_paths(os.path.dirname(path))[keep:] if keep else []:
         for stale in glob.glob(glob.escape(old) + "*"):  # with its .sha256
             os.remove(stale)
-    remove_killed_writes(os.path.dirname(path))
 
 
 # ------------------------------ when a run stops early
