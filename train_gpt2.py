@@ -1728,19 +1728,19 @@ def changed(saved: dict, now, names) -> dict:
 
 
 def check_resumable(checkpoint: dict, cfg, model_config: GPTConfig):
+    path = checkpoint["path"]
     saved = vars(GPTConfig(**{**checkpoint["model_config"], "dropout": cfg.dropout}))
     differing = {**changed(saved, model_config, saved),  # and the data position's unit:
                  **changed(checkpoint["config"], cfg, ("total_batch_size", "seq_len"))}
     if differing:
-        raise RunError(f"cannot resume from {checkpoint['path']}: " + ", ".join(
-            f"{name} {old} -> {new}" for name, (old, new) in differing.items()) + " (they "
-            "define its weights, schedule and data position): use its values")
+        changes = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in differing.items())
+        raise RunError(f"cannot resume from {path}: {changes} (they define its weights, schedule "
+                       "and data position): use its values")
     if (trained_with := checkpoint["config"]["optimizer"]) != cfg.optimizer:
-        raise RunError(f"cannot resume from {checkpoint['path']} with --optimizer "
-                       f"{cfg.optimizer}: it holds {trained_with}'s state; resume with "
-                       f"--optimizer {trained_with}, or start a new run from its weights with "
-                       f"--init_from {checkpoint['path']}")
-    check_weights_fit(checkpoint["model"], model_config, checkpoint["path"], "--resume")
+        raise RunError(f"cannot resume from {path} with --optimizer {cfg.optimizer}: it holds "
+                       f"{trained_with}'s state; resume with --optimizer {trained_with}, or start "
+                       f"a new run from its weights with --init_from {path}")
+    check_weights_fit(checkpoint["model"], model_config, path, "--resume")
 
 
 def download(url, path, fix):
