@@ -1619,7 +1619,7 @@ def checkpoint_paths(log_dir):
 
 
 def read_checkpoint(path, flag="--resume"):
-    """Checked; model_config keeps GPTConfig's fields (older files held flags such as recompute)."""
+    """Ours, checked; model_config keeps GPTConfig's fields (older files held flags there too)."""
     if not os.path.isfile(path):
         raise RunError(missing_checkpoint(path, flag))
     not_ours, give = f"{flag} {path} is not a checkpoint", "give a ckpt_<step>.pt from a --log_dir"
@@ -1663,8 +1663,11 @@ CHECKPOINT_KEYS = {"model", "model_config", "optimizer", "scaler", "step", "conf
 
 
 def file_sha256(path):
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:  # (hashlib.file_digest: Python 3.11)
+        while chunk := f.read(2**24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def load_openai_weights(name):
