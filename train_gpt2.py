@@ -767,8 +767,8 @@ def check_paths_agree(model: GPT, device):
         except Exception as error:  # a mask shaped for training's call alone, say
             if isinstance(error, torch.OutOfMemoryError):
                 raise
-            raise RunError(f"training's forward runs but {paths[chunk.start >= first_step]} fails "
-                           f"({str(error).splitlines()[0]}): {edit}") from None
+            raise RuntimeError(f"{paths[chunk.start >= first_step]} fails (above) where "
+                               f"training's forward runs: {edit}") from error
     model.train()
     difference = (torch.cat(cached) - full).abs().amax(dim=-1)  # (T,)
     if (parted := difference > 1e-4 * max(1.0, full.abs().max().item())).any():
