@@ -759,6 +759,8 @@ def check_paths_agree(model: GPT, device):
     paths = ["the prompt's cached pass", "a one-token cached step"]  # before first_step, from it
     edit = ("an edit reached one path alone (say which keys a query sees in visible(), and use "
             "attention's positions)")
+    precision = torch.get_float32_matmul_precision()  # "high" on CUDA: TF32's 10-bit inputs
+    torch.set_float32_matmul_precision("highest")  # alone part the paths by 1e-3 at 124M
     model.eval()
     full, caches, cached = model(tokens)[0][0], kv_caches(model), []  # (T, vocab_size)
     for chunk in [slice(0, first_step)] + [slice(i, i + 1) for i in range(first_step, T)]:
@@ -770,6 +772,7 @@ def check_paths_agree(model: GPT, device):
             raise RuntimeError(f"{paths[chunk.start >= first_step]} fails (above) where "
                                f"training's forward runs: {edit}") from error
     model.train()
+    torch.set_float32_matmul_precision(precision)
     difference = (torch.cat(cached) - full).abs().amax(dim=-1)  # (T,)
     if (parted := difference > 1e-4 * max(1.0, full.abs().max().item())).any():
         i = int(parted.nonzero()[0])

@@ -5,7 +5,7 @@
 #   bash tests/gpu_runbook.sh prepare  # here, with network or ../shared: fills .bench/ (git-ignored)
 #   bash tests/gpu_runbook.sh smoke    # on the GPU: the commands a user runs there, a PASS or FAIL line each
 #   bash tests/gpu_runbook.sh speed    # on the GPU: build-nanogpt vs ours, --no-compile, --recompute
-#   bash tests/gpu_runbook.sh modes    # on the GPU: HellaSwag speed, now and before
+#   bash tests/gpu_runbook.sh modes    # on the GPU: HellaSwag speed, now and before; the paths check's cost
 #   bash tests/gpu_runbook.sh muon     # on the GPU: --optimizer muon against adamw, loss and step time
 #
 # On the device tool: carry .bench and run one group a call. Each run's output goes to NAME.log in $OUT if set,
@@ -130,7 +130,8 @@ import pathlib, re, statistics, sys
 for log in sorted(pathlib.Path(sys.argv[1]).glob("*.log"), key=lambda path: path.stat().st_mtime):  # run order
     text = log.read_text(errors="replace")
     figures = re.findall(r"^step +0(?:/\d+)? \| loss:? \S+", text, re.M)  # both start near ln(50304) = 10.83
-    figures += re.findall(r"^(summary: .*|step +\d+/\d+ \| val loss .*|\d+ examples: .*|error: .*)$", text, re.M)
+    figures += re.findall(r"^(summary: .*|step +\d+/\d+ \| val loss .*|\d+ examples: .*|error: .*|paths check .*)$",
+                          text, re.M)
     speeds = [float(s) for step, s in re.findall(r"^step +(\d+) \|.*tok/sec: ([\d.]+)", text, re.M) if int(step) >= 3]
     if speeds:  # build-nanogpt: the median of its printed tok/sec over steps 3 and later
         figures.append(f"median {statistics.median(speeds):,.0f} tokens/s over {len(speeds)} steps")
@@ -208,7 +209,14 @@ case $group in
       run "hellaswag-${version%%:*}" 120 python3 tests/hellaswag_speed.py --examples 2000 \
         --code "${version#*:}" -- --n_layer 12 --n_head 12 --n_embd 768 --block_size 1024 --device cuda --seq_len 1024 \
         --total_batch_size 8192 "${extra[@]}"
-    done ;;
+    done
+    # the check train() runs before step 0, at 124M in float32 (TF32 off while it runs); CUDA, unless EXPECT_DEVICE
+    run paths-check 120 python3 -c 'import sys, time, torch, train_gpt2 as t
+device = sys.argv[1]; model = t.GPT(t.GPTConfig()).to(device)
+torch.set_float32_matmul_precision("high")  # as a run on CUDA sets it
+for attempt in ("first", "second"):
+    started = time.perf_counter(); t.check_paths_agree(model, device)  # it waits for the device itself
+    print(f"paths check at 124M, {attempt} call: {time.perf_counter() - started:.2f} s")' "${EXPECT_DEVICE:-cuda}" ;;
   muon)
     # The 124M shape at the recipe's lr, 300 steps of 16,384 tokens, then a step of 2**19 tokens. Predictions:
     # Muon's val loss at step 299 below AdamW's (on the CPU at 4 layers, width 128: 0.58 lower, each at its best

@@ -209,3 +209,32 @@ def test_a_container_without_pythons_headers_trains_without_compile(gpu, monkeyp
 def test_kernels_a_card_runs(major, minor, arch_list, runs):
     with contextlib.nullcontext() if runs else pytest.raises(t.RunError, match="has no kernels in torch"):
         t.check_kernels("a card", major, minor, arch_list)
+
+
+def test_the_paths_check_passes_an_unedited_model_where_cuda_multiplies_float32_in_tf32(monkeypatch):
+    """At precision "high", which machine_choices sets on CUDA, cards of 8.0+ multiply float32 in TF32: inputs
+    rounded to 10 bits of mantissa. That alone parted the check's paths by 2e-4 at this shape (1.6e-3 at 124M),
+    and would have stopped every unedited run on an A100, H100 or RTX 4090 before step 0."""
+    linear = torch.nn.functional.linear
+
+    def tf32(x):  # to the nearest TF32: the low 13 of float32's 23 mantissa bits cleared
+        return ((x.contiguous().view(torch.int32) + 0x1000) & ~0x1FFF).view(torch.float32)
+
+    def linear_as_cuda_does(x, weight, bias=None):  # cuBLAS on 8.0+: TF32 unless the precision is "highest"
+        if torch.get_float32_matmul_precision() == "highest":
+            return linear(x, weight, bias)
+        return linear(tf32(x), tf32(weight), bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", linear_as_cuda_does)
+    torch.manual_seed(0)
+    model = t.GPT(t.GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=256))
+    previous, set_precision = torch.get_float32_matmul_precision(), torch.set_float32_matmul_precision
+    set_precision("high")
+    try:
+        t.check_paths_agree(model, "cpu")  # it compares in float32 itself
+        assert torch.get_float32_matmul_precision() == "high"  # and gives training its TF32 back
+        monkeypatch.setattr(torch, "set_float32_matmul_precision", lambda precision: None)  # as it was before
+        with pytest.raises(t.RunError, match="differ at position"):
+            t.check_paths_agree(model, "cpu")
+    finally:
+        set_precision(previous)
