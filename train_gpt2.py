@@ -1667,7 +1667,7 @@ CHECKPOINT_KEYS = {"model", "model_config", "optimizer", "scaler", "step", "conf
 
 def file_sha256(path):
     digest = hashlib.sha256()
-    with open(path, "rb") as f:  # (hashlib.file_digest: Python 3.11)
+    with open(path, "rb") as f:  # by hand: hashlib.file_digest needs Python 3.11
         while chunk := f.read(2**24):
             digest.update(chunk)
     return digest.hexdigest()
