@@ -644,7 +644,8 @@ class Run:
                   f"{step + 1}.pt written")
 
     def finish(self, start_step):
-        if self.owns_group:
+        if self.owns_group:  # together: gloo may abort a rank that leaves alone (PyTorch #179291)
+            dist.barrier()
             dist.destroy_process_group()
 
 
