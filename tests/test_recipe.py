@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SHAKESPEARE, TINY_ARGS, run_script
-from test_ddp import ABORT_AT_EXIT
+from conftest import ROOT, SHAKESPEARE, TINY_ARGS, run_python, run_script
+from test_ddp import torchrun
 
 # TINY_ARGS as TrainConfig's keywords, with evaluation, HellaSwag, samples and checkpoints on
 TINY = {flag[2:]: value for flag, value in zip(TINY_ARGS[::2], TINY_ARGS[1::2], strict=True)}
@@ -57,14 +57,10 @@ def numbers(output):
 
 
 def run_recipe(folder, *configs, processes=1):
-    """The recipe's output for each config, run one after another by one process (or under torchrun)."""
-    command = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-               if processes > 1 else [sys.executable])
-    for _ in range(2):  # once more where gloo aborted a rank at exit, its work done (as test_ddp's torchrun())
-        result = subprocess.run(command + ["driver.py"] + [json.dumps(config) for config in configs], cwd=folder,
-                                capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if result.returncode == 0 or ABORT_AT_EXIT not in result.stderr:
-            break
+    """The recipe's output for each config, run one after another by one process (or under torchrun, which launches
+    once more where gloo aborted a rank at exit, its work done)."""
+    args = [str(folder / "driver.py")] + [json.dumps(config) for config in configs]  # it imports the recipe beside it
+    result = torchrun(processes, args, timeout=300) if processes > 1 else run_python(args, {"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
     outputs = result.stdout.split("=== the next run\n")
     assert len(outputs) == len(configs) + 1 and outputs[-1] == "", result.stdout
