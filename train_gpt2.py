@@ -60,9 +60,13 @@ def visible(query_positions, key_positions, key_tokens) -> torch.Tensor:
 @functools.cache
 def visible_is_causal(block_size: int) -> bool:
     """Whether visible() is causal alone: then training runs SDPA's fused causal kernel, no mask."""
-    at = torch.arange(block_size, device="cpu")
-    tokens = torch.where(at % 7 == 3, END_OF_TEXT, at).expand(2, -1)  # <|endoftext|> every 7th
-    return bool((visible(at, at, tokens) == (at <= at[:, None])).all())
+    at, inner = torch.arange(block_size, device="cpu"), max(1, block_size - 2)
+    # every token id inside some row (a mask keyed on any token shows), then a row with
+    # <|endoftext|> every 7th (a mask by documents): (rows, T), asked 8 rows at a time
+    rows = torch.arange(-1, GPT2_VOCAB_SIZE - 1, inner, device="cpu")[:, None] + at
+    tokens = torch.cat([rows % GPT2_VOCAB_SIZE, torch.where(at % 7 == 3, END_OF_TEXT, at)[None]])
+    return all(bool((visible(at, at, some) == (at <= at[:, None])).all())
+               for some in tokens.split(8))
 
 
 class CausalSelfAttention(nn.Module):

@@ -669,6 +669,26 @@ def test_a_sliding_window_or_document_mask_edited_in_visible_reaches_training_th
         assert_recompute_changes_nothing(model, tokens)
 
 
+def test_a_mask_keyed_on_a_token_id_beyond_the_block_size_reaches_training(one_thread):
+    """Documents split at newlines (token 198), in a model of 64 positions: visible_is_causal() asked visible() with
+    the ids 0 to 63 and <|endoftext|> alone, called the mask causal, and training ran SDPA's causal kernel without
+    it (the cache applied it). Now training's logits are the mask's, as attention gives them with the mask passed."""
+    def newline_documents(query_positions, key_positions, key_tokens):
+        documents = (key_tokens == 198).cumsum(-1)  # (B, Tk)
+        same = documents[:, query_positions, None] == documents[:, None, :]
+        return ((key_positions <= query_positions[:, None]) & same)[:, None]
+
+    tokens = with_documents()
+    tokens[:, 20::11] = 198
+    with visible_as(newline_documents), torch.no_grad():
+        model = tiny_model_64().eval()
+        trained_on = model(tokens)[0]
+        for block in model.transformer.h:
+            block.attn.fused_causal = False  # the mask made and passed, on every call
+        torch.testing.assert_close(trained_on, model(tokens)[0], rtol=0, atol=1e-6,
+                                   msg="training's forward ignores a mask keyed on token 198")
+
+
 def test_a_window_in_trainings_mask_alone_fails_the_cache_check():
     """The naive edit: a 4-token window written where training's attention makes its mask, beside visible() rather
     than in it. Training obeys it, sampling with the cache asks visible() alone: the cache check names the first
