@@ -581,7 +581,11 @@ class Run:
         """Go on exactly: weights, optimizer state, data position, this rank's RNG; its step."""
         model.load_state_dict(checkpoint["model"])
         for optimizer, state in zip(optimizers, checkpoint["optimizer"], strict=True):
-            optimizer.load_state_dict(state)
+            # its moments, under this run's settings (--weight_decay, betas, a group's own rate):
+            # load_state_dict alone would put the checkpoint's back (groups apart: it says so)
+            groups = zip(state["param_groups"], optimizer.param_groups, strict=False)
+            optimizer.load_state_dict({**state, "param_groups": [
+                {**saved, **group, "params": saved["params"]} for saved, group in groups]})
         if checkpoint["scaler"]:
             scaler.load_state_dict(checkpoint["scaler"])
         loader.windows_consumed = checkpoint["windows_consumed"]

@@ -133,3 +133,27 @@ def test_a_group_given_its_own_learning_rate_keeps_its_ratio_through_the_schedul
     t.main(t.parse_args(flags + ["--resume", "auto"]))
     cfg = t.parse_args(flags)
     assert seen == [[3 * t.lr_at(step, cfg), t.lr_at(step, cfg)] for step in range(3)]
+
+
+def test_a_resume_with_other_optimizer_flags_steps_with_them_and_keeps_a_groups_own_settings(tmp_path, monkeypatch):
+    """optimizer.load_state_dict puts back the checkpoint's groups: a resume with --weight_decay 0 --beta2 0.99 was
+    warned of "--weight_decay 0.1 -> 0.0" and went on at 0.1 and 0.95. Now the moments come back under this run's
+    settings; the undecayed group keeps its own weight decay of 0."""
+    from conftest import TINY_ARGS
+
+    configure_optimizers, seen = t.configure_optimizers, []
+
+    def watched(*args, **kwargs):
+        optimizers = configure_optimizers(*args, **kwargs)
+        optimizers[0].register_step_pre_hook(lambda optimizer, *_: seen.append(
+            [(group["weight_decay"], group["betas"], len(optimizer.state)) for group in optimizer.param_groups]))
+        return optimizers
+
+    monkeypatch.setattr(t, "configure_optimizers", watched)
+    flags = TINY_ARGS + ["--max_steps", "3", "--warmup_steps", "1", "--log_dir", str(tmp_path)]
+    t.main(t.parse_args(flags + ["--stop_after_steps", "2"]))
+    t.main(t.parse_args(flags + ["--resume", "auto", "--weight_decay", "0", "--beta2", "0.99"]))
+    tensors = len(list(t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64)).parameters()))  # TINY_ARGS'
+    assert seen == [[(0.1, (0.9, 0.95), 0), (0.0, (0.9, 0.95), 0)],
+                    [(0.1, (0.9, 0.95), tensors), (0.0, (0.9, 0.95), tensors)],
+                    [(0.0, (0.9, 0.99), tensors), (0.0, (0.9, 0.99), tensors)]]  # the moments came back too
