@@ -41,13 +41,13 @@ class RunError(Exception):
 # ------------------------------ model
 @dataclass
 class GPTConfig:
-    """The model's shape, which its weights are trained for, and dropout."""
+    """The model's shape, which its weights are made for, and dropout, which each run sets."""
     n_layer: int = 12
     n_head: int = 12
     n_embd: int = 768
     block_size: int = 1024  # positions the model has
     vocab_size: int = 50304  # 50,257 tokens padded to 128 x 393: matmul tiles divide it evenly
-    dropout: float = 0.0  # a training choice, not the weights': each run sets its own
+    dropout: float = 0.0  # not taken from a checkpoint: a training choice
 
 
 def visible(query_positions, key_positions, key_tokens) -> torch.Tensor:
@@ -61,12 +61,11 @@ def visible(query_positions, key_positions, key_tokens) -> torch.Tensor:
 def visible_is_causal(block_size: int) -> bool:
     """Whether visible() is causal alone: then training runs SDPA's fused causal kernel, no mask."""
     at, inner = torch.arange(block_size, device="cpu"), max(1, block_size - 2)
-    # every token id inside some row (a mask keyed on any token shows), then a row with
-    # <|endoftext|> every 7th (a mask by documents): (rows, T), asked 8 rows at a time
+    # every token id inside some row, then <|endoftext|> every 7th: a mask keyed on tokens shows
     rows = torch.arange(-1, GPT2_VOCAB_SIZE - 1, inner, device="cpu")[:, None] + at
     tokens = torch.cat([rows % GPT2_VOCAB_SIZE, torch.where(at % 7 == 3, END_OF_TEXT, at)[None]])
     return all(bool((visible(at, at, some) == (at <= at[:, None])).all())
-               for some in tokens.split(8))
+               for some in tokens.split(8))  # (8, T): masks of (8, 1, T, T) at a time
 
 
 class CausalSelfAttention(nn.Module):
@@ -80,7 +79,7 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x, positions, tokens, cache: "KVCache | None" = None):
         """x (B, T, C) for tokens (B, T) at positions (T,): the cache writes there, visible() reads
-        them (GPT-2 adds positions at the input; rotary embeddings would turn q and k here)."""
+        them (GPT-2 adds positions at the input; rotary embeddings would rotate q and k here)."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim): each head attends with its own slice of C
@@ -88,7 +87,7 @@ class CausalSelfAttention(nn.Module):
         key_positions = positions
         if cache is not None:  # generating: all keys, values and tokens so far, and their positions
             k, v, tokens, key_positions = cache.update(positions, tokens, k, v)
-        fused = cache is None and self.fused_causal  # the keys are the queries: no mask to make
+        fused = cache is None and self.fused_causal  # no cache, causal: the kernel masks
         mask = None if fused else visible(positions, key_positions, tokens)
         # softmax(q k^T / sqrt(head_dim)) v, fused (flash attention on a GPU when is_causal)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=fused,
@@ -124,7 +123,7 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 class GPT(nn.Module):
-    """GPT-2 as published; module names follow OpenAI's checkpoint (its weights map 1:1)."""
+    """GPT-2 as published; names follow OpenAI's checkpoint (its Conv1D weights transposed)."""
 
     def __init__(self, config: GPTConfig, loss_chunk_size=0, recompute=False):
         super().__init__()
@@ -144,7 +143,7 @@ class GPT(nn.Module):
 
     def reset_parameters(self):
         # GPT-2: std 0.02; each block adds to the residual stream twice, so the projections that
-        # add start at 0.02/sqrt(2 n_layer): together they add one variance however deep
+        # add start at 0.02/sqrt(2 n_layer): the stream's variance does not grow with depth
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
@@ -186,11 +185,11 @@ class GPT(nn.Module):
         float32 (a softmax over 50k needs it): the mean, or each token's (reduction "none").
         loss_chunk_size: that many tokens at a time, each slice's logits made again in backward,
         so the float32 logits are never whole (12.3 GiB at 64 x 1024)."""
-        def losses(x, targets, reduction=reduction):
+        def losses(x, targets, reduction):
             return F.cross_entropy(self.logits(x).float(), targets, reduction=reduction)
         x, targets = x.flatten(0, -2), targets.flatten()
         if not self.loss_chunk_size:
-            return losses(x, targets)
+            return losses(x, targets, reduction)
         n = self.loss_chunk_size
         per_token = torch.cat([torch.utils.checkpoint.checkpoint(losses, *pair, "none",
                                                                  use_reentrant=False)
@@ -242,9 +241,10 @@ class TokenStream:
 
 
 class DataLoader:
-    """(B, T) windows of T + 1 tokens at k*T in a TokenStream (all shards as one): x = window[:-1],
-    y = window[1:], each position's next token. Rank r of W reads B windows from position + r*B,
-    all advance W*B: resumable at any world size. Shuffled: an epoch's order from (seed, epoch)."""
+    """(B, T) batches of windows, window k the T + 1 tokens at k*T of a TokenStream (all shards as
+    one): x = window[:-1], y = window[1:], each position's next token. With n windows consumed,
+    rank r of W reads windows n + r*B to n + r*B + B - 1, and all count W*B: resumable at any world
+    size. Shuffled: each epoch's window order drawn from (seed, epoch)."""
 
     def __init__(self, stream, batch_size, seq_len, rank, world_size, shuffle, seed):
         self.num_windows = max(0, stream.num_tokens - 1) // seq_len
@@ -341,7 +341,7 @@ def lr_at(step: int, cfg: "TrainConfig") -> float:
     then cosine decay to the minimum at max_steps; small steps at the end settle the loss."""
     min_lr = cfg.max_lr * cfg.min_lr_ratio
     if step < cfg.warmup_steps:
-        return cfg.max_lr * (step + 1) / cfg.warmup_steps  # step 0 trains
+        return cfg.max_lr * (step + 1) / cfg.warmup_steps  # step 0's rate is not 0
     if step >= cfg.max_steps:
         return min_lr
     progress = (step - cfg.warmup_steps) / (cfg.max_steps - cfg.warmup_steps)  # 0 -> 1
@@ -362,7 +362,7 @@ def configure_optimizers(model: GPT, cfg: "TrainConfig", fused: bool, sharded=Fa
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
     def make(optimizer_class, params, **options):
-        if sharded:  # imported here: it imports FSDP and DTensor, 1.8 s of a start on 2 cores
+        if sharded:  # imported here: it imports FSDP and DTensor (slow)
             from torch.distributed.optim import ZeroRedundancyOptimizer
             return ZeroRedundancyOptimizer(params, optimizer_class=optimizer_class, **options)
         return optimizer_class(params, **options)
@@ -416,7 +416,7 @@ class TrainConfig:
     beta2: float = flag(0.95, "AdamW beta2", "optimizer")
     eps: float = flag(1e-8, "AdamW epsilon, above 0", "optimizer")
     grad_clip: float = flag(1.0, "clip the global gradient norm to this; 0: off", "optimizer")
-    eval_every: int = flag(250, "val loss at step -1, every N steps, the end; 0: never", "logging")
+    eval_every: int = flag(250, "val loss first, every N steps, at the end; 0: never", "logging")
     eval_steps: int = flag(20, "validation steps of --total_batch_size tokens each", "logging")
     sample_every: int = flag(250, "samples every N steps and at the end; 0: never", "logging")
     num_samples: int = flag(4, "continuations of --prompt per sampling", "logging")
@@ -428,7 +428,8 @@ class TrainConfig:
     hellaswag_path: str = flag("", "hellaswag_val.jsonl (default: downloaded once)", "logging")
     log_dir: str = flag("log", "folder for metrics.jsonl and checkpoints", "logging")
     tensorboard: bool = flag(False, "also write the figures for TensorBoard", "logging")
-    # the machinery's flags: where the help says "the machine picks", device_settings() does
+    # the machinery's flags: "the machine picks" is machine_choices(), checked against the card
+    # in main(); the recipe alone ignores --tensorboard, --peak_tflops, --keep_ckpts, the run modes
     device: str = flag("auto", "auto (the machine picks), cpu, cuda, cuda:N or mps", "runtime")
     dtype: str = flag("auto", "auto (the machine picks), float32, bfloat16 or float16", "runtime",
                       choices=["auto", "float32", "bfloat16", "float16"])
@@ -513,8 +514,8 @@ TEXT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "input.txt"
 
 
 class Run:
-    """What train() reads and writes besides the model: inputs, log, checkpoints, a stop. Plain
-    here, a whole trainer; main() hands train() a subclass (after the banner) that checks each
+    """What train() reads and writes besides the model: inputs, log, checkpoints, a stop. This
+    plain Run trains alone; main() hands train() a subclass (after the banner) that checks each
     input on every rank, fetches, writes whole files and metrics.jsonl, and stops all together."""
 
     def __init__(self, cfg: TrainConfig, launch: Launch | None = None):
@@ -581,8 +582,7 @@ class Run:
         """Go on exactly: weights, optimizer state, data position, this rank's RNG; its step."""
         model.load_state_dict(checkpoint["model"])
         for optimizer, state in zip(optimizers, checkpoint["optimizer"], strict=True):
-            # its moments, under this run's settings (--weight_decay, betas, a group's own rate):
-            # load_state_dict alone would put the checkpoint's back (groups apart: it says so)
+            # its moments, under this run's group settings (--weight_decay, betas), not the saved
             groups = zip(state["param_groups"], optimizer.param_groups, strict=False)
             optimizer.load_state_dict({**state, "param_groups": [
                 {**saved, **group, "params": saved["params"]} for saved, group in groups]})
@@ -686,12 +686,11 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
                   if inputs.checkpoint else 0)
     autocast, accum_steps = autocast_for(cfg.dtype, device), grad_accum_steps(cfg, W)
     run.start(raw_model, accum_steps, train_loader)
-    if start_step == 0:  # a new run: the val loss "after step -1" is the curve's first point;
-        # HellaSwag runs once too, so that a broken edit fails before step 0
+    if start_step == 0:  # a new run: the val loss before training is the curve's first point
         if cfg.eval_every:
             run.log_scores(-1, {"val_loss": estimate_val_loss(
                 raw_model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
-        if cfg.hellaswag_every:
+        if cfg.hellaswag_every:  # a batch, unlogged: a broken edit fails before step 0
             evaluate_hellaswag(raw_model, inputs.hellaswag[:1], device, autocast, launch)
     check_paths_agree(raw_model, device)  # training's logits are the cache's: an edit reached both
 
@@ -718,7 +717,7 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
         loss = all_reduce_mean(loss, launch)  # DDP averaged the gradients; this, the logged loss
         for optimizer in optimizers:  # AdamW, and Muon with --optimizer muon
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
-        # a rare huge gradient (a bad batch) is scaled to norm 1 before Adam's moments see it
+        # a rare huge gradient (a bad batch) is scaled to --grad_clip before Adam's moments see it
         grad_norm = nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.grad_clip or math.inf)
         lr = lr_at(step, cfg)  # one schedule drives every optimizer's groups
         for optimizer in optimizers:
@@ -769,7 +768,7 @@ def check_paths_agree(model: GPT, device):
     edit = ("an edit reached one path alone (say which keys a query sees in visible(), and use "
             "attention's positions)")
     precision = torch.get_float32_matmul_precision()  # "high" on CUDA: TF32's 10-bit inputs
-    torch.set_float32_matmul_precision("highest")  # alone part the paths by 1e-3 at 124M
+    torch.set_float32_matmul_precision("highest")  # TF32 alone parts the paths by 1e-3 at 124M
     model.eval()
     full, caches, cached = model(tokens)[0][0], kv_caches(model), []  # (T, vocab_size)
     for chunk in [slice(0, first_step)] + [slice(i, i + 1) for i in range(first_step, T)]:
@@ -849,7 +848,7 @@ def render_hellaswag(example: dict, tokenizer) -> tuple[torch.Tensor, torch.Tens
 def pack_hellaswag(rendered: list[tuple], max_tokens):
     """Batches (tokens, mask (4n, L), labels (n,)) of up to max_tokens, shortest first."""
     groups = []
-    for example in sorted(rendered, key=lambda example: example[0].size(1)):  # longest last
+    for example in sorted(rendered, key=lambda example: example[0].size(1)):
         if not groups or 4 * (len(groups[-1]) + 1) * example[0].size(1) > max_tokens:
             groups.append([])
         groups[-1].append(example)
