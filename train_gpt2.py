@@ -1013,6 +1013,9 @@ def parse_args(argv: list[str]) -> TrainConfig:
         raise RunError(f"--init_from {cfg.init_from} has " + ", ".join(
             f"{name} {model_config[name]}" for name in clashes) + ": drop " + " ".join(
             f"--{name} {given[name]}" for name in clashes))
+    if model_config and "model" in given and any(model_config.get(name) != value for name, value
+                                                 in MODEL_SHAPES[given["model"]].items()):
+        raise RunError(f"--init_from {cfg.init_from} sets the shape: drop --model {given['model']}")
     taken = {name: model_config[name] for name in model_flags}  # and, unless given, its run's
     taken |= {name: run_config[name] for name in run_config.keys() - given if name in (
         "seq_len", "micro_batch_size", "total_batch_size", "eval_steps")}
@@ -1059,6 +1062,7 @@ def check_config(cfg, world_size):
         if (getattr(cfg, name) or 0) < 0]
     micro_step_tokens = cfg.micro_batch_size * cfg.seq_len * world_size
     modes = [f"--{mode}" for mode in ("generate", "eval_only", "export_hf") if getattr(cfg, mode)]
+    resumed = f"{cfg.log_dir}/ckpt_<step>.pt" if cfg.resume == "auto" else cfg.resume
     fits = micro_batch_that_divides(cfg, world_size, cfg.micro_batch_size)
     divide = (f"use --micro_batch_size {fits}, the largest that divides it, or make "
               "--total_batch_size a multiple of it" if fits else "make --total_batch_size a "
@@ -1089,9 +1093,9 @@ def check_config(cfg, world_size):
         (cfg.temperature <= 0, f"--temperature {cfg.temperature} is not above 0"),
         (cfg.peak_tflops is not None and cfg.peak_tflops <= 0, f"--peak_tflops {cfg.peak_tflops} "
          "is not above 0"),
-        (cfg.init_from and cfg.resume, "--init_from starts a new run and --resume continues one: "
-         "drop one"),
         (len(modes) > 1, f"{' and '.join(modes)} are separate runs: pick one"),
+        (modes and cfg.resume, f"{' '.join(modes)} takes the weights of --init_from, not --resume: "
+         f"use --init_from {resumed}"),
         (cfg.export_hf and not cfg.init_from, "--export_hf needs --init_from with the weights to "
          "export"),
         (cfg.export_hf and os.path.exists(cfg.export_hf), f"--export_hf {cfg.export_hf} already "
@@ -1253,7 +1257,7 @@ class CheckedRun(Run):
         self.sources = {}  # the checkpoints read, by flag: the code that wrote them
         self.card = (torch.cuda.get_device_name(self.cfg.device)
                      if self.cfg.device.startswith("cuda") else "")
-        if self.launch.restarts and not cfg.resume:  # torchrun restarted the workers: go on
+        if self.launch.restarts and checkpoint_paths(cfg.log_dir):  # torchrun restarted: go on
             self.cfg = dataclasses.replace(self.cfg, resume="auto")
             self.notes = [*notes, f"torchrun's restart {self.launch.restarts}: going on from the "
                           f"newest checkpoint in {cfg.log_dir}"]
@@ -1273,6 +1277,11 @@ class CheckedRun(Run):
                                with_val=cfg.eval_every > 0)
             if inputs.checkpoint is not None:
                 check_resumable(inputs.checkpoint, cfg, inputs.model_config)
+                step = inputs.checkpoint["step"]  # later ones: another branch, --resume auto's pick
+                later = [os.path.basename(p) for p in earlier if int(Path(p).stem[5:]) > step]
+                if later and cfg.resume != "auto":  # (auto skips only unreadable ones)
+                    raise RunError(f"--log_dir {cfg.log_dir} holds {', '.join(later)}, later than "
+                                   f"step {step} of --resume: move them, or use another --log_dir")
             return inputs
         self.inputs = inputs = on_every_rank(launch, read)
         found = gather((inputs.train_tokens.num_tokens, inputs.val_tokens.num_tokens,
@@ -1304,7 +1313,8 @@ class CheckedRun(Run):
                 return checkpoint
             except RunError as error:
                 self.info(f"warning: skipping {error}")
-        self.info(f"--resume auto: no checkpoint in {cfg.log_dir}, starting from scratch")
+        self.info(f"--resume auto: no checkpoint in {cfg.log_dir}, starting from "
+                  f"{cfg.init_from or 'scratch'}")
         return None
 
     def token_streams(self):
@@ -1745,7 +1755,8 @@ def check_resumable(checkpoint: dict, cfg, model_config: GPTConfig):
     path = checkpoint["path"]
     saved = vars(GPTConfig(**{**checkpoint["model_config"], "dropout": cfg.dropout}))
     differing = {**changed(saved, model_config, saved),  # and the data position's unit:
-                 **changed(checkpoint["config"], cfg, ("total_batch_size", "seq_len"))}
+                 **changed(checkpoint["config"], cfg, ("total_batch_size", "seq_len", "shuffle",
+                                                       "seed"))}
     if differing:
         changes = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in differing.items())
         raise RunError(f"cannot resume from {path}: {changes} (they define its weights, schedule "

@@ -139,9 +139,11 @@ def test_with_dropout_two_processes_draw_their_own_masks_and_resume_exactly(tmp_
     assert logged(tmp_path / "log") == logged(tmp_path / "straight")
 
 
-def test_resume_is_exact_under_two_processes_after_torchrun_restarts_a_crashed_job(tmp_path, straight):
+@pytest.mark.parametrize("started", ["anew", "from a checkpoint"])
+def test_resume_is_exact_under_two_processes_after_torchrun_restarts_a_crashed_job(tmp_path, straight, started):
     """(Two processes stopped by --stop_after_steps and resumed: the sharded-optimizer test below.) The uninterrupted
-    run: the 1-process one, which 2 processes train bitwise like (the fixture `straight`)."""
+    run: the 1-process one, which 2 processes train bitwise like (the fixture `straight`). A job started with
+    --resume CKPT went back to CKPT when restarted: now a restart goes on from its --log_dir's newest."""
     def two_processes(log_dir, *extra, entry=("train",), torchrun_flags=(), env=None):
         command, *entry_args = entry
         result = torchrun(2, [*torchrun_flags, ENTRY, command, str(log_dir / "final.pt"), *entry_args] + EIGHT_STEPS +
@@ -153,13 +155,18 @@ def test_resume_is_exact_under_two_processes_after_torchrun_restarts_a_crashed_j
     # Without the variable, restarted ranks can read the last attempt's addresses from torchrun's shared store and
     # fail to connect (PyTorch #135712, #167288): 3 of 4 tries here failed without it, 5 of 5 passed with it.
     # No --resume auto: a restart goes on from the newest checkpoint of its --log_dir, saying so (issue 62).
-    restarted = two_processes(tmp_path / "restarted", "--ckpt_every", "2",
+    resume, first_step = [], 0
+    if started == "from a checkpoint":  # of a 1-process run stopped after 2 steps, in another folder
+        with single_thread():
+            run(["--ckpt_every", "2", "--stop_after_steps", "2"], tmp_path / "first")
+        resume, first_step = ["--resume", str(tmp_path / "first" / "ckpt_2.pt")], 2
+    restarted = two_processes(tmp_path / "restarted", "--ckpt_every", "2", *resume,
                               entry=("crash_once", "1", "5"), torchrun_flags=("--max-restarts=1",),
                               env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     assert "injected failure on rank 1 at step 5" in restarted.stderr
     assert "resumed from step 4" in restarted.stdout
     assert f"torchrun's restart 1: going on from the newest checkpoint in {tmp_path / 'restarted'}\n" in restarted.stdout
-    assert logged(tmp_path / "restarted") == logged(straight)
+    assert logged(tmp_path / "restarted") == logged(straight)[first_step:]
     assert_same_weights(torch.load(tmp_path / "restarted" / "final.pt"),
                         torch.load(straight / "ckpt_8.pt")["model"])
 
@@ -333,6 +340,45 @@ def test_corrupt_checkpoint_is_caught_by_its_checksum(two_checkpoints):
     line = one_line_error(run_script(EIGHT_STEPS + ["--log_dir", str(two_checkpoints), "--resume", str(newest)]))
     assert line == (f"error: checkpoint {newest} is corrupt (its sha256 differs from {newest}.sha256): "
                     "resume from an older checkpoint")
+
+
+def test_resuming_an_older_checkpoint_beside_later_ones_is_refused_until_they_are_moved(two_checkpoints, capsys):
+    """Going back to ckpt_4.pt (as the divergence line advises) beside ckpt_8.pt trained on: --keep_ckpts then pruned
+    the new branch's checkpoints, and --resume auto (a preemption, a torchrun restart) went on from the old ckpt_8."""
+    expected = logged(two_checkpoints)  # the run's 8 steps, which the resumed branch retrains from step 4
+    with pytest.raises(SystemExit) as stopped:
+        run(["--resume", str(two_checkpoints / "ckpt_4.pt")], two_checkpoints)
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == (f"error: --log_dir {two_checkpoints} holds ckpt_8.pt, later than step 4 of "
+                                       "--resume: move them, or use another --log_dir\n")
+    for later in two_checkpoints.glob("ckpt_8.pt*"):
+        later.rename(two_checkpoints.parent / later.name)
+    resumed = run(["--resume", str(two_checkpoints / "ckpt_4.pt")], two_checkpoints)
+    assert [(r["step"], r["train_loss"]) for r in resumed.records if "train_loss" in r] == expected[4:]
+
+
+def test_a_resume_with_another_data_order_is_refused(two_checkpoints, capsys):
+    """--shuffle and --seed choose which windows come next, as --total_batch_size and --seq_len do: a changed one
+    redrew the epoch's order part way through, repeating some windows and skipping others."""
+    with pytest.raises(SystemExit):
+        run(["--resume", "auto", "--shuffle", "--seed", "7"], two_checkpoints)
+    assert capsys.readouterr().err == (f"error: cannot resume from {two_checkpoints / 'ckpt_8.pt'}: shuffle False -> "
+                                       "True, seed 1337 -> 7 (they define its weights, schedule and data position): "
+                                       "use its values\n")
+
+
+def test_a_fine_tune_stopped_early_goes_on_exactly_with_the_same_command_and_resume_auto(two_checkpoints, tmp_path,
+                                                                                       one_thread):
+    """The stop line says "run the same command with --resume auto"; with --init_from in that command it was refused
+    (--init_from and --resume), and without it the run took the default shape. --resume now goes on, and --init_from
+    gives the shape."""
+    tune = ["--init_from", str(two_checkpoints / "ckpt_8.pt"), "--max_steps", "4", "--warmup_steps", "1"]
+    straight = run(tune, tmp_path / "straight")
+    run(tune + ["--stop_after_steps", "2"], tmp_path / "tune")
+    resumed = run(tune + ["--resume", "auto"], tmp_path / "tune")
+    assert [r["step"] for r in resumed.records if "train_loss" in r] == [2, 3]
+    assert logged(tmp_path / "tune") == logged(tmp_path / "straight")
+    assert_same_weights(resumed.model.state_dict(), straight.model.state_dict())
 
 
 def test_a_different_shape_or_batch_is_refused_naming_each_field(two_checkpoints):

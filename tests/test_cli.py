@@ -245,8 +245,11 @@ def test_every_flag_takes_hyphens_too_as_torchrun_does():
         (["--eps", "-1"], "--eps -1.0 is not above 0: AdamW divides by it where a gradient is 0 (try 1e-8)"),
         (["--eps", "0"], "--eps 0.0 is not above 0: AdamW divides by it where a gradient is 0 (try 1e-8)"),
         (["--generate", "--eval_only"], "--generate and --eval_only are separate runs: pick one"),
-        (["--init_from", "gpt2", "--resume", "auto"],
-         "--init_from starts a new run and --resume continues one: drop one"),
+        # --eval_only --resume scored untrained weights: a run mode reads --init_from alone
+        (["--eval_only", "--resume", "log/ckpt_6.pt"],
+         "--eval_only takes the weights of --init_from, not --resume: use --init_from log/ckpt_6.pt"),
+        (["--generate", "--resume", "auto"],
+         "--generate takes the weights of --init_from, not --resume: use --init_from log/ckpt_<step>.pt"),
         (["--hellaswag_path", "/nowhere/hs.jsonl"],
          "--hellaswag_path /nowhere/hs.jsonl does not exist: give hellaswag_val.jsonl's path"),
     ],

@@ -460,6 +460,14 @@ def test_init_from_refuses_shape_flags(tmp_path, capsys):
     assert error_line_in_process(args, capsys) == "error: --init_from gpt2 has n_layer 12: drop --n_layer 4"
 
 
+def test_init_from_refuses_a_model_flag_of_another_shape():
+    """--model gpt2-medium --init_from gpt2 trained 124M without a word: --model is no shape flag of the checkpoint's."""
+    with pytest.raises(t.RunError) as refused:
+        t.parse_args(["--init_from", "gpt2", "--model", "gpt2-medium"])
+    assert str(refused.value) == "--init_from gpt2 sets the shape: drop --model gpt2-medium"
+    assert t.parse_args(["--init_from", "gpt2", "--model", "gpt2"]).n_layer == 12  # the same shape: no clash
+
+
 def test_cached_decoding_gives_the_same_logits_and_tokens():
     """The prompt's pass and then one token at a time through one KVCache a layer: the uncached hidden states, each
     layer's cache (samples, heads, block_size positions, head_dim) in float32, and the same tokens as without the
