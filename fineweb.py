@@ -413,7 +413,8 @@ def recut_in_tenths(out_dir: str, prefix: str) -> tuple[int, int]:
 def shard_files(out_dir: str) -> list[str]:
     """What a loader could read, and a stopped run's leftovers."""
     patterns = ("*_train_*.npy", "*_val_*.npy", "*.npy.tmp")
-    return sorted(p for pattern in patterns for p in glob.glob(os.path.join(out_dir, pattern)))
+    folder = glob.escape(out_dir)  # a "data[1]" folder too
+    return sorted(p for pattern in patterns for p in glob.glob(os.path.join(folder, pattern)))
 
 
 def write_marker(out_dir: str, settings: dict, position: Position, stream_note: dict | None):
@@ -476,7 +477,7 @@ def clear_out_dir(out_dir: str, overwrite: bool) -> None:
                               "--resume to go on from them, or --overwrite to start again"
                               if os.path.exists(marker) else f"--out_dir {out_dir} is not empty: "
                               "pass --overwrite to replace its shards, or choose another folder")
-        for path in shard_files(out_dir) + glob.glob(marker):
+        for path in shard_files(out_dir) + glob.glob(glob.escape(marker)):
             os.remove(path)
 
 
@@ -489,7 +490,8 @@ def removed_on_refusal(out_dir: str, made_out_dir: bool):
     except StoppedError:
         raise
     except ConfigError:
-        for path in shard_files(out_dir) + glob.glob(os.path.join(out_dir, INCOMPLETE_MARKER)):
+        marker = os.path.join(out_dir, INCOMPLETE_MARKER)
+        for path in shard_files(out_dir) + glob.glob(glob.escape(marker)):
             os.remove(path)
         if made_out_dir and not os.listdir(out_dir):
             os.rmdir(out_dir)

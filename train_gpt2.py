@@ -553,8 +553,9 @@ class Run:
         split = len(tokens) * 9 // 10
         return TokenStream([tokens[:split]]), TokenStream([tokens[split:]])
 
-    def shard_paths(self, split) -> list[str]:  # "train" or "val"
-        return sorted(glob.glob(os.path.join(self.cfg.data_dir, f"*_{split}_*.npy")))
+    def shard_paths(self, split) -> list[str]:  # fineweb.py's PREFIX_{split}_000001.npy: not
+        pattern = f"*_{split}_{'[0-9]' * 6}.npy"  # *_train_*, which "my_train_data_val_..." fits
+        return sorted(glob.glob(os.path.join(glob.escape(self.cfg.data_dir), pattern)))
 
     def open_shard(self, path) -> np.ndarray:  # mapped: a batch reads the pages it touches
         return np.load(path, mmap_mode="r")
@@ -939,8 +940,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 RESUME_AUTO = "run the same command with --resume auto"
 
 
-class DownloadError(RunError):
-    """A file from the network could not be fetched."""
+class Unavailable(RunError):
+    """An input that cannot be had (a failed download, HellaSwag longer than the model):
+    --eval_only goes on without HellaSwag, saying why."""
 
 
 # ------------------------------ main and the command line
@@ -1378,7 +1380,7 @@ class CheckedRun(Run):
         batches, block_size = super().hellaswag(), self.cfg.block_size
         if (longest := max((tokens.size(1) for tokens, _, _ in batches), default=0)) > block_size:
             fix = "" if self.cfg.eval_only else ", or drop --hellaswag_every"
-            raise RunError(f"the longest HellaSwag example in "
+            raise Unavailable(f"the longest HellaSwag example in "
                            f"{self.cfg.hellaswag_path or HELLASWAG_CACHE} takes "
                            f"{longest} tokens, more than the model's block_size of {block_size}: "
                            f"HellaSwag needs --block_size {longest} or more{fix}")
@@ -1452,7 +1454,7 @@ class CheckedRun(Run):
         if cfg.tensorboard:
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
             name = f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}"
-            first = not glob.glob(os.path.join(cfg.log_dir, "events.out.tfevents.*"))
+            first = not glob.glob(os.path.join(glob.escape(cfg.log_dir), "events.out.tfevents.*"))
             self.board_path = os.path.join(cfg.log_dir, name)
             # TensorBoard drops old events from this step on; first turned on: write the kept ones
             restart = Event(step=resume_step or 0, session_log=SessionLog(status=SessionLog.START))
@@ -1634,7 +1636,8 @@ def check_token_counts(streams, cfg, with_val):
 
 def checkpoint_paths(log_dir):
     """log_dir's ckpt_<step>.pt files, newest first."""
-    found = [(int(m.group(1)), p) for p in glob.glob(os.path.join(log_dir, "ckpt_*.pt"))
+    paths = glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*.pt"))  # a "[lr3]" folder too
+    found = [(int(m.group(1)), p) for p in paths
              if (m := re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p)))]
     return [p for _, p in sorted(found, reverse=True)]
 
@@ -1776,7 +1779,7 @@ def download(url, path, fix):
         write_atomically(path, lambda temporary: Path(temporary).write_bytes(data),
                          then="run the same command again")
     except OSError as error:
-        raise DownloadError(f"could not download {url} to {path} ({error}): {fix}") from None
+        raise Unavailable(f"could not download {url} to {path} ({error}): {fix}") from None
 
 
 def write_atomically(path, write, then=RESUME_AUTO):
@@ -1838,7 +1841,7 @@ HELLASWAG_CACHE = os.path.expanduser("~/.cache/train_gpt2/hellaswag_val.jsonl")
 
 def remove_killed_writes(log_dir):
     """A write killed part way leaves its temporary file (1.5 GB at 124M)."""
-    for temporary in glob.glob(os.path.join(log_dir, "ckpt_*.pt*.tmp")):
+    for temporary in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*.pt*.tmp")):
         os.remove(temporary)
 
 
@@ -1935,7 +1938,7 @@ def evaluate_only(cfg, launch, device):
         model = build_model(cfg, *run.initial_weights(), device)
         try:
             return streams[1], model, run.hellaswag(), None
-        except DownloadError as error:
+        except Unavailable as error:
             return streams[1], model, None, f"HellaSwag skipped: {error}"
     val_tokens, model, hellaswag, missing = on_every_rank(launch, read)
     missing = next(filter(None, gather(missing, launch)), None)  # all skip it, or none
@@ -1987,7 +1990,7 @@ def export_hf(cfg):
             if "I/O error: " not in str(error):
                 raise
             raise OSError(str(error).partition("I/O error: ")[2]) from None
-        for path in glob.glob(os.path.join(folder, "*.safetensors")):  # a tempfile's 0600, not
+        for path in Path(folder).glob("*.safetensors"):  # a tempfile's 0600, not
             shutil.copymode(os.path.join(folder, "config.json"), path)  # the umask's as the rest
         convert_tiktoken_to_fast(CheckedRun.tokenizer(), folder)
         check_export(transformers.GPT2LMHeadModel.from_pretrained(folder), model_config, state)

@@ -395,6 +395,13 @@ def test_missing_checkpoint_path(tmp_path):
     assert line == f"error: --resume {tmp_path / 'x.pt'} does not exist: give a ckpt_<step>.pt from a --log_dir"
 
 
+def test_resume_auto_finds_the_checkpoints_of_a_log_dir_named_with_glob_characters(tmp_path):
+    """--log_dir 'runs/[lr3]' was read as a glob pattern: --resume auto found no checkpoint and started again."""
+    run(["--stop_after_steps", "2"], tmp_path / "[lr3]")
+    resumed = run(["--resume", "auto", "--max_steps", "3"], tmp_path / "[lr3]")
+    assert [r["step"] for r in resumed.records if "train_loss" in r] == [2]
+
+
 def test_resume_auto_without_checkpoints_starts_fresh(tmp_path, capsys):
     result = run(["--resume", "auto", "--max_steps", "3", "--warmup_steps", "1"], tmp_path)
     assert f"--resume auto: no checkpoint in {tmp_path}, starting from scratch" in capsys.readouterr().out

@@ -219,18 +219,24 @@ def test_empty_hellaswag_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("mode", [["--hellaswag_every", "2"], ["--eval_only"]])
-def test_hellaswag_longer_than_the_model_is_refused_before_training(tmp_path, capsys, mode):
+def test_hellaswag_longer_than_the_model_is_refused_before_training_or_skipped_by_eval_only(tmp_path, capsys,
+                                                                                            mode):
     """A model of 64 positions cannot read a 70-token example. Training used to stop with a ValueError traceback
-    at the first HellaSwag evaluation, --hellaswag_every steps in, with nothing saved."""
+    at the first HellaSwag evaluation, --hellaswag_every steps in, with nothing saved. --eval_only was refused too,
+    with a fix that --init_from's shape forbids: it now gives the val loss and says why HellaSwag was skipped."""
     long_example = {"ctx": "the cat " * 30, "endings": ["sat", "ran", "sat on the mat", "la la la"], "label": 0}
     longest = t.render_hellaswag(long_example, TOKENIZER)[0].size(1)
     path = write_hellaswag(tmp_path / "hs.jsonl", 3)
     with open(path, "a") as f:
         f.write(json.dumps(long_example) + "\n")
-    line = one_line_exit(capsys, TINY_ARGS + mode + ["--hellaswag_path", str(path), "--log_dir", str(tmp_path)])
-    fix = ", or drop --hellaswag_every" if "--hellaswag_every" in mode else ""
-    assert line == (f"error: the longest HellaSwag example in {path} takes {longest} tokens, more than the model's "
-                    f"block_size of 64: HellaSwag needs --block_size {longest} or more{fix}")
+    problem = (f"the longest HellaSwag example in {path} takes {longest} tokens, more than the model's block_size "
+               f"of 64: HellaSwag needs --block_size {longest} or more")
+    args = TINY_ARGS + mode + ["--hellaswag_path", str(path), "--log_dir", str(tmp_path)]
+    if mode == ["--eval_only"]:  # an --init_from model's block_size is its own: the val loss, without HellaSwag
+        result = t.main(t.parse_args(args))
+        assert capsys.readouterr().out.endswith(f" | HellaSwag skipped: {problem}\n") and set(result) == {"val_loss"}
+        return
+    assert one_line_exit(capsys, args) == f"error: {problem}, or drop --hellaswag_every"
     metrics = tmp_path / "metrics.jsonl"
     assert longest > 64 and (not metrics.exists() or metrics.read_text() == "")  # not a step was trained
 

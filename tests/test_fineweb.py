@@ -115,6 +115,16 @@ def test_a_document_longer_than_a_shard_spills_over(tmp_path):
     assert (tmp_path / "x_val_000000.npy").exists() and (tmp_path / "x_train_000003.npy").exists()
 
 
+def test_a_prefix_holding_a_split_name_reads_each_split_alone(tmp_path):
+    """fineweb.py's prefix is --out_dir's name: in my_train_data, *_train_*.npy matched my_train_data_val_000000.npy
+    too, and training read the validation shard."""
+    fineweb.write_shards(iter([np.arange(12, dtype=np.uint16)]), str(tmp_path), "my_train_data", shard_size=4)
+    run = checked_run(data_dir=str(tmp_path))
+    assert [Path(p).name for p in run.shard_paths("train")] == ["my_train_data_train_000001.npy",
+                                                                "my_train_data_train_000002.npy"]
+    assert [Path(p).name for p in run.shard_paths("val")] == ["my_train_data_val_000000.npy"]
+
+
 def test_a_leftover_temporary_file_is_never_read(tmp_path):
     fineweb.write_shards(iter([np.arange(8, dtype=np.uint16)]), str(tmp_path), "x", shard_size=4)
     (tmp_path / "x_train_000002.npy.tmp").write_bytes(b"half a shard")  # as a killed run would leave it
@@ -123,12 +133,15 @@ def test_a_leftover_temporary_file_is_never_read(tmp_path):
                                                          "x_val_000000.npy"]
 
 
-def test_overwrite_replaces_old_shards(corpus, tmp_path):
-    fineweb.write_shards(iter([np.arange(12, dtype=np.uint16)]), str(tmp_path), "x", shard_size=4)
-    (tmp_path / "x_train_000009.npy.tmp").write_bytes(b"leftover")
-    fineweb.main(fineweb.parse_args(["--input", str(corpus), "--out_dir", str(tmp_path), "--prefix", "x",
+@pytest.mark.parametrize("folder", ["out", "out[1]"])  # a glob's brackets: the old shards were not found, and stayed
+def test_overwrite_replaces_old_shards(corpus, tmp_path, folder):
+    out_dir = tmp_path / folder
+    out_dir.mkdir()
+    fineweb.write_shards(iter([np.arange(12, dtype=np.uint16)]), str(out_dir), "x", shard_size=4)
+    (out_dir / "x_train_000009.npy.tmp").write_bytes(b"leftover")
+    fineweb.main(fineweb.parse_args(["--input", str(corpus), "--out_dir", str(out_dir), "--prefix", "x",
                                      "--shard_size", "600000", "--overwrite", "--workers", "1"]))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["x_train_000001.npy", "x_val_000000.npy"]
+    assert sorted(p.name for p in out_dir.iterdir()) == ["x_train_000001.npy", "x_val_000000.npy"]
 
 
 def test_each_complete_shard_records_its_position_and_resuming_from_any_gives_the_same_shards(tmp_path):
