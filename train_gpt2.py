@@ -553,9 +553,8 @@ class Run:
         split = len(tokens) * 9 // 10
         return TokenStream([tokens[:split]]), TokenStream([tokens[split:]])
 
-    def shard_paths(self, split) -> list[str]:  # fineweb.py's PREFIX_{split}_000001.npy: not
-        pattern = f"*_{split}_{'[0-9]' * 6}.npy"  # *_train_*, which "my_train_data_val_..." fits
-        return sorted(glob.glob(os.path.join(glob.escape(self.cfg.data_dir), pattern)))
+    def shard_paths(self, split) -> list[str]:  # fineweb.py's PREFIX_{split}_000001.npy
+        return sorted(map(str, Path(self.cfg.data_dir).glob(f"*_{split}_{'[0-9]' * 6}.npy")))
 
     def open_shard(self, path) -> np.ndarray:  # mapped: a batch reads the pages it touches
         return np.load(path, mmap_mode="r")
@@ -940,7 +939,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 RESUME_AUTO = "run the same command with --resume auto"
 
 
-class Unavailable(RunError):
+class UnavailableError(RunError):
     """An input that cannot be had (a failed download, HellaSwag longer than the model):
     --eval_only goes on without HellaSwag, saying why."""
 
@@ -1380,7 +1379,7 @@ class CheckedRun(Run):
         batches, block_size = super().hellaswag(), self.cfg.block_size
         if (longest := max((tokens.size(1) for tokens, _, _ in batches), default=0)) > block_size:
             fix = "" if self.cfg.eval_only else ", or drop --hellaswag_every"
-            raise Unavailable(f"the longest HellaSwag example in "
+            raise UnavailableError(f"the longest HellaSwag example in "
                            f"{self.cfg.hellaswag_path or HELLASWAG_CACHE} takes "
                            f"{longest} tokens, more than the model's block_size of {block_size}: "
                            f"HellaSwag needs --block_size {longest} or more{fix}")
@@ -1779,7 +1778,7 @@ def download(url, path, fix):
         write_atomically(path, lambda temporary: Path(temporary).write_bytes(data),
                          then="run the same command again")
     except OSError as error:
-        raise Unavailable(f"could not download {url} to {path} ({error}): {fix}") from None
+        raise UnavailableError(f"could not download {url} to {path} ({error}): {fix}") from None
 
 
 def write_atomically(path, write, then=RESUME_AUTO):
@@ -1938,7 +1937,7 @@ def evaluate_only(cfg, launch, device):
         model = build_model(cfg, *run.initial_weights(), device)
         try:
             return streams[1], model, run.hellaswag(), None
-        except Unavailable as error:
+        except UnavailableError as error:
             return streams[1], model, None, f"HellaSwag skipped: {error}"
     val_tokens, model, hellaswag, missing = on_every_rank(launch, read)
     missing = next(filter(None, gather(missing, launch)), None)  # all skip it, or none
