@@ -1380,9 +1380,9 @@ class CheckedRun(Run):
         if (longest := max((tokens.size(1) for tokens, _, _ in batches), default=0)) > block_size:
             fix = "" if self.cfg.eval_only else ", or drop --hellaswag_every"
             raise UnavailableError(f"the longest HellaSwag example in "
-                           f"{self.cfg.hellaswag_path or HELLASWAG_CACHE} takes "
-                           f"{longest} tokens, more than the model's block_size of {block_size}: "
-                           f"HellaSwag needs --block_size {longest} or more{fix}")
+                                   f"{self.cfg.hellaswag_path or HELLASWAG_CACHE} takes {longest} "
+                                   f"tokens, more than the model's block_size of {block_size}: "
+                                   f"HellaSwag needs --block_size {longest} or more{fix}")
         return batches
 
     def hellaswag_examples(self):
