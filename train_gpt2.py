@@ -959,7 +959,10 @@ def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str
     init_distributed(launch, device)
     try:
         check_same_command(cfg, problem, launch)  # as given
-        cfg = machine_cfg
+        cfg, picked = machine_cfg, gather(machine_cfg.dtype, launch)  # each machine's card picks
+        if apart := next((rank for rank, dtype in enumerate(picked) if dtype != picked[0]), None):
+            raise RunError(f"--dtype auto picked {picked[0]} on rank 0 but {picked[apart]} on rank "
+                           f"{apart} (a card without bfloat16): pass --dtype float16 everywhere")
         if cfg.export_hf:
             result = export_hf(cfg)
         elif cfg.generate:

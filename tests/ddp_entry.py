@@ -13,7 +13,8 @@
     ddp_entry.py grad_sync OUT                 train()'s first accumulated step both ways; rank 0 saves both
                                                gradients
     ddp_entry.py card NAME[:BUILD] FLAGS...    train on a machine of 2 of conftest.CARDS[NAME], as torch reports them
-                                               (BUILD: a key of conftest.ARCH_LISTS, cu126 unless given)
+                                               (BUILD: a key of conftest.ARCH_LISTS, cu126 unless given; NAME,NAME:
+                                               rank 0's card, rank 1's)
 """
 
 import contextlib
@@ -134,7 +135,8 @@ def card(name, flags):
     from conftest import report_card
 
     card_name, _, build = name.partition(":")  # v100:cu130: a V100 under torch's CUDA 13.0 build
-    report_card(card_name, setattr, gpus=2, build=build or "cu126")
+    cards = card_name.split(",")  # a100,t4: rank 0's machine holds A100s, rank 1's T4s
+    report_card(cards[int(os.environ["RANK"]) % len(cards)], setattr, gpus=2, build=build or "cu126")
     train_gpt2.main(train_gpt2.parse_args(flags))
 
 

@@ -131,6 +131,15 @@ def test_t4_under_torchrun_every_rank_stops_on_dtype_bfloat16_with_one_line(tmp_
     assert not tmp_path.exists() or not list(tmp_path.iterdir())
 
 
+def test_machines_whose_cards_pick_other_dtypes_stop_with_one_line(tmp_path):
+    """An A100 machine and a T4 machine: --dtype auto picked bfloat16 on one and float16 with the loss scaler on the
+    other, and DDP averaged scaled with unscaled gradients (a norm of 47,107 logged; the copies drifted apart)."""
+    result = torchrun(2, [ENTRY, "card", "a100,t4"] + GPU_ARGS + ["--log_dir", str(tmp_path)])
+    assert_every_rank_stopped_with_one_line(result, "error: --dtype auto picked bfloat16 on rank 0 but float16 on rank 1 "
+                                                    "(a card without bfloat16): pass --dtype float16 everywhere")
+    assert not tmp_path.exists() or not list(tmp_path.iterdir())
+
+
 def test_a_machine_without_a_c_compiler_trains_without_compile(gpu, monkeypatch, tmp_path, capsys):
     """Triton builds its launcher with $CC, else gcc, else clang: a slim container may have none."""
     monkeypatch.delenv("CC", raising=False)
