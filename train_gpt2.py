@@ -1139,6 +1139,10 @@ def device_settings(cfg, launch) -> tuple[TrainConfig, list[str]]:
     compile = gpu and not blocker if auto else bool(cfg.compile)  # on CUDA
     if compile and blocker:
         raise RunError(f"--compile cannot run on {card}: {blocker}; use --no-compile")
+    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")  # Inductor's
+    if compile and device == "cpu" and not shutil.which(cxx):
+        raise RunError(f"--compile on the CPU builds C++ with {cxx}, which is not installed: "
+                       "install it (g++), or use --no-compile")
     cfg = machine_choices(dataclasses.replace(cfg, device=device, compile=compile), launch)
     peaks = [tf32 if cfg.dtype == "float32" else half for pattern, half, tf32 in PEAK_TFLOPS
              if gpu and re.search(pattern, card)]  # the first row that fits, unless given

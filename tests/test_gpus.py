@@ -131,6 +131,18 @@ def test_t4_under_torchrun_every_rank_stops_on_dtype_bfloat16_with_one_line(tmp_
     assert not tmp_path.exists() or not list(tmp_path.iterdir())
 
 
+def test_compile_on_the_cpu_without_a_cpp_compiler_is_one_line(monkeypatch, capsys, tmp_path):
+    """Inductor builds the CPU's kernels with $CXX, else g++ (clang++ on macOS): without it, step 0 ended in a
+    91-line traceback (InvalidCxxCompiler), after metrics.jsonl was written."""
+    monkeypatch.setenv("CXX", str(tmp_path / "g++"))  # not there
+    with pytest.raises(SystemExit) as exited:
+        t.main(t.parse_args(TINY_ARGS + ["--compile", "--log_dir", str(tmp_path / "log")]))
+    assert exited.value.code == 2 and capsys.readouterr() == ("", f"error: --compile on the CPU builds C++ with "
+                                                                  f"{tmp_path / 'g++'}, which is not installed: install "
+                                                                  "it (g++), or use --no-compile\n")
+    assert not (tmp_path / "log").exists()
+
+
 def test_machines_whose_cards_pick_other_dtypes_stop_with_one_line(tmp_path):
     """An A100 machine and a T4 machine: --dtype auto picked bfloat16 on one and float16 with the loss scaler on the
     other, and DDP averaged scaled with unscaled gradients (a norm of 47,107 logged; the copies drifted apart)."""
