@@ -1999,6 +1999,8 @@ def export_hf(cfg):
         for path in Path(folder).glob("*.safetensors"):  # a tempfile's 0600, not
             shutil.copymode(os.path.join(folder, "config.json"), path)  # the umask's as the rest
         convert_tiktoken_to_fast(CheckedRun.tokenizer(), folder)
+        Path(folder, "tokenizer_config.json").write_text(json.dumps(  # truncation=True's length
+            {"model_max_length": model_config.block_size}))
         check_export(transformers.GPT2LMHeadModel.from_pretrained(folder), model_config, state)
     write_atomically(cfg.export_hf, write, then="run the same command again")
     print(f"wrote {cfg.init_from} to {cfg.export_hf}: load it with AutoTokenizer.from_pretrained"

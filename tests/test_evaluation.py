@@ -291,6 +291,8 @@ def test_export_hf_gives_transformers_the_same_model_and_tokenizer(one_thread, t
         assert tokenizer.encode(text) == TOKENIZER.encode_ordinary(text)
     assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.encode("<|endoftext|>")) == (
         "<|endoftext|>", 50256, [50256])
+    # the model's 64 positions: truncation=True cut nothing (1e30 tokens), and a long text failed in the model
+    assert tokenizer.model_max_length == 64 and len(tokenizer(SHAKESPEARE.read_text(), truncation=True).input_ids) == 64
     generator = transformers.pipeline("text-generation", model=str(tmp_path / "hf"))
     prompt = TOKENIZER.encode_ordinary("ROMEO:")
     greedy = prompt + []
