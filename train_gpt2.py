@@ -958,11 +958,8 @@ def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str
     device = machine_cfg.device if problem is None else "cpu"
     init_distributed(launch, device)
     try:
-        check_same_command(cfg, problem, launch)  # as given
-        cfg, picked = machine_cfg, gather(machine_cfg.dtype, launch)  # each machine's card picks
-        if apart := next((rank for rank, dtype in enumerate(picked) if dtype != picked[0]), None):
-            raise RunError(f"--dtype auto picked {picked[0]} on rank 0 but {picked[apart]} on rank "
-                           f"{apart} (a card without bfloat16): pass --dtype float16 everywhere")
+        check_same_command(cfg, problem, launch, machine_cfg and machine_cfg.dtype)  # as picked
+        cfg = machine_cfg
         if cfg.export_hf:
             result = export_hf(cfg)
         elif cfg.generate:
@@ -1213,17 +1210,22 @@ def compile_blocker(major, minor, environ):
 
 
 # ------------------------------ every rank agrees, or all stop
-def check_same_command(cfg, problem: RunError | None, launch):
-    """Raise flags that differ between ranks, then any rank's problem, on every rank."""
-    reports = gather((problem and str(problem), cfg and dataclasses.asdict(cfg)), launch)
-    parsed = [(rank, flags) for rank, (_, flags) in enumerate(reports) if flags is not None]
+def check_same_command(cfg, problem: RunError | None, launch, dtype):
+    """Raise flags that differ between ranks, then any rank's problem, then dtypes that the ranks'
+    cards picked apart (--dtype auto: bfloat16 beside float16's loss scaler), on every rank."""
+    reports = gather((problem and str(problem), cfg and dataclasses.asdict(cfg), dtype), launch)
+    parsed = [(rank, flags) for rank, (_, flags, _) in enumerate(reports) if flags is not None]
     differing = [f"--{name} {value} on rank {parsed[0][0]} but {flags[name]} on rank {rank}"
                  for name, value in (parsed[0][1].items() if parsed else ())
                  for rank, flags in parsed[1:] if flags[name] != value]
     if differing:
         raise RunError("the processes were started with different flags "
                        f"({', '.join(differing)}): start every machine with the same command")
-    raise_first_problem([problem for problem, _ in reports])
+    raise_first_problem([problem for problem, _, _ in reports])
+    picked = [dtype for _, _, dtype in reports]
+    if apart := next((rank for rank, dtype in enumerate(picked) if dtype != picked[0]), None):
+        raise RunError(f"--dtype auto picked {picked[0]} on rank 0 but {picked[apart]} on rank "
+                       f"{apart} (a card without bfloat16): pass --dtype float16 everywhere")
 
 
 def raise_first_problem(problems: list[str | None]):
@@ -1460,7 +1462,7 @@ class CheckedRun(Run):
         if cfg.tensorboard:
             from tensorboard.compat.proto.event_pb2 import Event, SessionLog
             name = f"events.out.tfevents.{time.time():.0f}.{socket.gethostname()}.{os.getpid()}"
-            first = not glob.glob(os.path.join(glob.escape(cfg.log_dir), "events.out.tfevents.*"))
+            first = not any(Path(cfg.log_dir).glob("events.out.tfevents.*"))
             self.board_path = os.path.join(cfg.log_dir, name)
             # TensorBoard drops old events from this step on; first turned on: write the kept ones
             restart = Event(step=resume_step or 0, session_log=SessionLog(status=SessionLog.START))
@@ -1642,9 +1644,9 @@ def check_token_counts(streams, cfg, with_val):
 
 def checkpoint_paths(log_dir):
     """log_dir's ckpt_<step>.pt files, newest first."""
-    paths = glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*.pt"))  # a "[lr3]" folder too
-    found = [(int(m.group(1)), p) for p in paths
-             if (m := re.fullmatch(r"ckpt_(\d+)\.pt", os.path.basename(p)))]
+    found = [(int(m.group(1)), os.path.join(log_dir, p.name))  # a "[lr3]" folder too
+             for p in Path(log_dir).glob("ckpt_*.pt")
+             if (m := re.fullmatch(r"ckpt_(\d+)\.pt", p.name))]
     return [p for _, p in sorted(found, reverse=True)]
 
 
@@ -1847,7 +1849,7 @@ HELLASWAG_CACHE = os.path.expanduser("~/.cache/train_gpt2/hellaswag_val.jsonl")
 
 def remove_killed_writes(log_dir):
     """A write killed part way leaves its temporary file (1.5 GB at 124M)."""
-    for temporary in glob.glob(os.path.join(glob.escape(log_dir), "ckpt_*.pt*.tmp")):
+    for temporary in Path(log_dir).glob("ckpt_*.pt*.tmp"):
         os.remove(temporary)
 
 
