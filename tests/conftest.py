@@ -1,6 +1,7 @@
 """Shared test setup: offline tokenizer files, the tiny Shakespeare text, a tiny model's flags."""
 
 import contextlib
+import functools
 import os
 import resource
 import signal
@@ -47,6 +48,18 @@ def checked_run(**config):
     import train_gpt2
 
     return train_gpt2.CheckedRun(train_gpt2.TrainConfig(device="cpu", **config))
+
+
+@functools.cache
+def moved_gpt2(offset=70_000):
+    """Another tokenizer, offline: GPT-2's merges with every id moved up by offset, so that ids run past 65,535
+    (<|endoftext|> is 120,256 of 120,257). Tests put it in place of train_gpt2.tokenizer and fineweb.tokenizer."""
+    import tiktoken
+
+    gpt2 = tiktoken.get_encoding("gpt2")
+    return tiktoken.Encoding(name=f"gpt2_moved_{offset}", pat_str=gpt2._pat_str,
+                             mergeable_ranks={piece: rank + offset for piece, rank in gpt2._mergeable_ranks.items()},
+                             special_tokens={"<|endoftext|>": gpt2.eot_token + offset})
 
 
 def pytest_configure(config):
