@@ -29,8 +29,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-GPT2_VOCAB_SIZE = 50257  # the GPT-2 tokenizer's tokens
-END_OF_TEXT = 50256  # <|endoftext|>: between documents; an empty prompt starts from it
+
+def tokenizer():
+    """The tokenizer, named here alone: the model's rows, <|endoftext|> (between documents; an
+    empty prompt starts from it), the shards' dtype, sampling, HellaSwag, the export follow it."""
+    import tiktoken  # here: importing this file does no work
+    return tiktoken.get_encoding("gpt2")
 
 
 class RunError(Exception):
@@ -60,10 +64,10 @@ def visible(query_positions, key_positions, key_tokens) -> torch.Tensor:
 @functools.cache
 def visible_is_causal(block_size: int) -> bool:
     """Whether visible() is causal alone: then training runs SDPA's fused causal kernel, no mask."""
-    at, inner = torch.arange(block_size, device="cpu"), max(1, block_size - 2)
+    at, inner, vocab = torch.arange(block_size, device="cpu"), max(1, block_size - 2), tokenizer()
     # every token id inside some row, then <|endoftext|> every 7th: a mask keyed on tokens shows
-    rows = torch.arange(-1, GPT2_VOCAB_SIZE - 1, inner, device="cpu")[:, None] + at
-    tokens = torch.cat([rows % GPT2_VOCAB_SIZE, torch.where(at % 7 == 3, END_OF_TEXT, at)[None]])
+    rows = torch.arange(-1, vocab.n_vocab - 1, inner, device="cpu")[:, None] + at
+    tokens = torch.cat([rows % vocab.n_vocab, torch.where(at % 7 == 3, vocab.eot_token, at)[None]])
     return all(bool((visible(at, at, some) == (at <= at[:, None])).all())
                for some in tokens.split(8))  # (8, T): masks of (8, 1, T, T) at a time
 
@@ -241,20 +245,20 @@ class TokenStream:
 
 
 class DataLoader:
-    """(B, T) batches of windows, window k the T + 1 tokens at k*T of a TokenStream (all shards as
-    one): x = window[:-1], y = window[1:], each position's next token. With n windows consumed,
-    rank r of W reads windows n + r*B to n + r*B + B - 1, and all count W*B: resumable at any world
-    size. Shuffled: each epoch's window order drawn from (seed, epoch)."""
+    """(B, T) batches of windows of T + 1 tokens of a TokenStream (all shards as one): x =
+    window[:-1], y = window[1:], each position's next token. The place: `position` tokens read of
+    this `epoch`'s order (in order: from the start; shuffled: windows at multiples of T, their order
+    drawn from (seed, epoch)). Rank r of W reads the B windows from position + r*B*T; all move on
+    W*B*T: a count of tokens, it resumes at any world size, and in order at any T."""
 
     def __init__(self, stream, batch_size, seq_len, rank, world_size, shuffle, seed):
-        self.num_windows = max(0, stream.num_tokens - 1) // seq_len
         self.stream, self.batch_size, self.seq_len = stream, batch_size, seq_len
         self.rank, self.world_size, self.shuffle, self.seed = rank, world_size, shuffle, seed
-        self.windows_consumed, self._order = 0, None
+        self.epoch, self.position, self._order = 0, 0, None
 
     @property
-    def epoch(self) -> int:
-        return self.windows_consumed // self.num_windows
+    def num_windows(self) -> int:  # of seq_len, in an epoch
+        return max(0, self.stream.num_tokens - 1) // self.seq_len
 
     def window_order(self, epoch: int) -> np.ndarray:
         """This epoch's window order, drawn once (8 bytes a window)."""
@@ -263,17 +267,26 @@ class DataLoader:
             self._order = epoch, rng.permutation(self.num_windows)
         return self._order[1]
 
-    def window_start(self, window: int) -> int:
-        epoch, index = divmod(window, self.num_windows)
-        return int(self.window_order(epoch)[index] if self.shuffle else index) * self.seq_len
+    def place(self, k: int) -> tuple[int, int]:
+        """(epoch, position) of the k-th window from here: past this epoch's last, the next's."""
+        T, left = self.seq_len, max(0, self.stream.num_tokens - 1 - self.position) // self.seq_len
+        if k < left:
+            return self.epoch, self.position + k * T
+        epochs, index = divmod(k - left, self.num_windows)
+        return self.epoch + 1 + epochs, index * T
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         B, T = self.batch_size, self.seq_len
-        first = self.windows_consumed + self.rank * B
-        starts = [self.window_start(w) for w in range(first, first + B)]
+        places = [self.place(k) for k in range(self.rank * B, self.rank * B + B)]
+        starts = [int(self.window_order(epoch)[at // T]) * T if self.shuffle else at
+                  for epoch, at in places]
         windows = torch.from_numpy(np.stack([self.stream.read(at, T + 1) for at in starts]))
-        self.windows_consumed += self.world_size * B
+        self.epoch, self.position = self.place(self.world_size * B)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # of (B, T + 1)
+
+
+def token_dtype(n_vocab: int):  # as fineweb.py writes shards
+    return np.uint16 if n_vocab <= 2**16 else np.uint32
 
 
 def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
@@ -397,7 +410,7 @@ class TrainConfig:
     n_head: int = flag(12, "attention heads", "model")
     n_embd: int = flag(768, "model width", "model")
     block_size: int = flag(1024, "longest context the model accepts (learned positions)", "model")
-    vocab_size: int = flag(50304, "embedding rows: 50257 tokens padded to 128 x 393", "model")
+    vocab_size: int = flag(0, "embedding rows; 0: the tokenizer's, padded (GPT-2: 50304)", "model")
     dropout: float = flag(0.0, "dropout where GPT-2 had it (0.1 to fine-tune)", "model")
     data_dir: str = flag("", "fineweb.py's .npy shards' folder; empty: --text_file", "data")
     text_file: str = flag("", "text split 90/10 into train/val (default: tiny Shakespeare)", "data")
@@ -454,7 +467,7 @@ class TrainConfig:
 def machine_choices(cfg: TrainConfig, launch: Launch) -> TrainConfig:
     """cfg with "auto" made plain: this process's GPU, else Apple's, else the CPU; bfloat16 where
     the GPU computes in it (compute capability 8.0+), float16 with a loss scaler where it does
-    not, float32 elsewhere; compile on CUDA."""
+    not, float32 elsewhere; compile on CUDA. --vocab_size 0: the tokenizer's, padded."""
     device = cfg.device if cfg.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available()
         else "cpu")
@@ -465,7 +478,8 @@ def machine_choices(cfg: TrainConfig, launch: Launch) -> TrainConfig:
     bf16 = gpu and (torch.cuda.get_device_capability(device)[0] >= 8 or bool(torch.version.hip))
     dtype = cfg.dtype if cfg.dtype != "auto" else "bfloat16" if bf16 else (
         "float16" if gpu else "float32")
-    return dataclasses.replace(cfg, device=device, dtype=dtype,
+    vocab_size = cfg.vocab_size or -(-tokenizer().n_vocab // 128) * 128  # 50257 -> 128 x 393
+    return dataclasses.replace(cfg, device=device, dtype=dtype, vocab_size=vocab_size,
                                compile=gpu if cfg.compile is None else cfg.compile)
 
 
@@ -530,7 +544,7 @@ class Run:
         checkpoint = self.load_checkpoint(cfg.resume) if cfg.resume else None
         return Inputs(*self.initial_weights(), *self.token_streams(), checkpoint,
                       self.hellaswag() if cfg.hellaswag_every else [],
-                      self.tokenizer() if cfg.sample_every else None)
+                      tokenizer() if cfg.sample_every else None)
 
     def initial_weights(self) -> tuple[GPTConfig, dict | None]:
         """A new model's shape from the flags, or --init_from's weights and shape (our dropout)."""
@@ -560,17 +574,12 @@ class Run:
         return np.load(path, mmap_mode="r")
 
     def text_tokens(self, path) -> np.ndarray:
-        text = Path(path).read_text(encoding="utf-8")
-        return np.array(self.tokenizer().encode_ordinary(text), dtype=np.uint16)
-
-    @staticmethod
-    def tokenizer():
-        import tiktoken  # here: importing this file does no work
-        return tiktoken.get_encoding("gpt2")
+        text, vocab = Path(path).read_text(encoding="utf-8"), tokenizer()
+        return np.array(vocab.encode_ordinary(text), dtype=token_dtype(vocab.n_vocab))
 
     def hellaswag(self) -> list[tuple]:  # this rank's share of the examples, in batches
-        tokenizer, rank, world_size = self.tokenizer(), self.launch.rank, self.launch.world_size
-        return pack_hellaswag([render_hellaswag(example, tokenizer)
+        rank, world_size = self.launch.rank, self.launch.world_size
+        return pack_hellaswag([render_hellaswag(example, tokenizer())
                                for example in self.hellaswag_examples()[rank::world_size]],
                               min(8192, self.cfg.micro_batch_size * self.cfg.seq_len))
 
@@ -588,11 +597,11 @@ class Run:
                 {**saved, **group, "params": saved["params"]} for saved, group in groups]})
         if checkpoint["scaler"]:
             scaler.load_state_dict(checkpoint["scaler"])
-        loader.windows_consumed = checkpoint["windows_consumed"]
+        loader.epoch, loader.position = checkpoint["data_epoch"], checkpoint["data_position"]
         if self.launch.rank < len(checkpoint["rng"]):  # a new rank keeps its seed
             restore_rng_states(checkpoint["rng"][self.launch.rank], self.cfg.device)
-        self.info(f"resumed from step {checkpoint['step']} ({loader.windows_consumed:,} windows "
-                  "into the data)")
+        self.info(f"resumed from step {checkpoint['step']} (token {loader.position:,} of epoch "
+                  f"{loader.epoch})")
         return checkpoint["step"]
 
     def checkpoint_state(self, model, optimizers, scaler, loader, steps_done) -> dict | None:
@@ -601,11 +610,12 @@ class Run:
             for optimizer in optimizers:
                 optimizer.consolidate_state_dict(to=0)  # each rank sends its share
         rng = gather(rng_states(self.cfg.device), self.launch)  # every rank's
-        return {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+        return ({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
                 "optimizer": [optimizer.state_dict() for optimizer in optimizers], "rng": rng,
                 "scaler": scaler.state_dict(), "config": dataclasses.asdict(self.cfg),
-                "step": steps_done, "windows_consumed": loader.windows_consumed,
-                "train_tokens": loader.stream.num_tokens} if self.launch.rank == 0 else None
+                "step": steps_done, "data_epoch": loader.epoch, "data_position": loader.position,
+                "train_tokens": loader.stream.num_tokens, "n_vocab": tokenizer().n_vocab}
+                if self.launch.rank == 0 else None)
 
     def write_checkpoint(self, state: dict | None, steps_done):
         if state is not None:
@@ -762,8 +772,8 @@ def check_paths_agree(model: GPT, device):
     """Training's forward, the prompt's cached pass and one-token cached steps must agree in
     float32 over a block holding <|endoftext|>: an edit that reached one path alone stops here."""
     T, steps = model.config.block_size, min(4, model.config.block_size - 1)  # steps at the end
-    at, first_step = torch.arange(T, device=device), T - steps
-    tokens = torch.where(at % 7 == 3, END_OF_TEXT, at * 7919 % GPT2_VOCAB_SIZE)[None]  # (1, T)
+    at, first_step, vocab = torch.arange(T, device=device), T - steps, tokenizer()
+    tokens = torch.where(at % 7 == 3, vocab.eot_token, at * 7919 % vocab.n_vocab)[None]  # (1, T)
     paths = ["the prompt's cached pass", "a one-token cached step"]  # before first_step, from it
     edit = ("an edit reached one path alone (say which keys a query sees in visible(), and use "
             "attention's positions)")
@@ -798,7 +808,7 @@ def validation_loader(stream: TokenStream, cfg: TrainConfig, launch: Launch) -> 
 def estimate_val_loss(model, loader, eval_steps, accum_steps, device, autocast, launch) -> float:
     """Mean loss of the first eval_steps validation steps: the same tokens every time."""
     model.eval()  # no dropout
-    loader.windows_consumed = 0
+    loader.epoch = loader.position = 0
     step_losses = torch.zeros(eval_steps, device=device)
     for step in range(eval_steps):
         for _ in range(accum_steps):
@@ -858,12 +868,12 @@ def pack_hellaswag(rendered: list[tuple], max_tokens):
              torch.tensor([label for _, _, label in group])) for group in groups]
 
 
-def sample_next(model: GPT, idx, caches, positions, noise, temperature: float):
+def sample_next(model: GPT, idx, caches, positions, noise, temperature: float, n_vocab: int):
     """(B, 1): the token after idx (B, T) at positions (T,), drawn from the softmax p of the top k
-    logits (k: noise's width). argmax(p / E), E (B, k) Exp(1) noise, picks i with probability
-    p_i: torch.multinomial's distribution, without the host sync multinomial makes on CUDA."""
+    of the tokenizer's n_vocab logits (k: noise's width). argmax(p / E), E (B, k) Exp(1) noise,
+    picks i with probability p_i: multinomial's distribution, without its host sync on CUDA."""
     hidden = model.hidden_states(idx, caches, positions)[:, -1]  # (B, n_embd): the last position
-    logits = model.logits(hidden)[:, :GPT2_VOCAB_SIZE].float() / temperature  # no padding rows
+    logits = model.logits(hidden)[:, :n_vocab].float() / temperature  # no padding rows
     top_logits, top_ids = torch.topk(logits, noise.size(1), dim=-1)
     choice = (F.softmax(top_logits, dim=-1) / noise).argmax(dim=-1, keepdim=True)
     return top_ids.gather(-1, choice)
@@ -882,22 +892,23 @@ def generate(model: GPT, prompt_tokens: list[int], max_new_tokens: int, caches, 
     the whole context. An empty prompt starts from <|endoftext|>, as GPT-2's did."""
     model.eval()
     device = model.lm_head.weight.device
-    context, block_size = prompt_tokens or [END_OF_TEXT], model.config.block_size
+    vocab, block_size = tokenizer(), model.config.block_size
+    context = prompt_tokens or [vocab.eot_token]
     tokens = F.pad(torch.tensor(context, device=device), (0, max_new_tokens)).repeat(num_samples, 1)
     generator = torch.Generator(device=device).manual_seed(seed)  # training's RNG untouched
-    top_k = min(top_k, model.config.vocab_size, GPT2_VOCAB_SIZE)
+    top_k = min(top_k, model.config.vocab_size, vocab.n_vocab)
     position = torch.tensor([len(context)], device=device)  # the newest token's
     with autocast(), sdpa_kernel(WITHOUT_CUDNN):
         for length in range(len(context), tokens.size(1)):  # tokens so far
             noise = torch.empty(num_samples, top_k, device=device).exponential_(generator=generator)
             if caches is None or length > block_size:  # the last block_size tokens, all again
                 window = tokens[:, max(0, length - block_size) : length]
-                new = sample_next(model, window, None, None, noise, temperature)
+                new = sample_next(model, window, None, None, noise, temperature, vocab.n_vocab)
             elif length == len(context):  # the prompt fills the caches
-                new = sample_next(model, tokens[:, :length], caches,
-                                  torch.arange(length, device=device), noise, temperature)
+                new = sample_next(model, tokens[:, :length], caches, torch.arange(length,
+                                  device=device), noise, temperature, vocab.n_vocab)
             else:  # the newest token alone, (B, 1), at its position
-                new = next_token(model, new, caches, position, noise, temperature)
+                new = next_token(model, new, caches, position, noise, temperature, vocab.n_vocab)
                 position += 1
             tokens[:, length] = new[:, 0]
     model.train()
@@ -1026,7 +1037,7 @@ def parse_args(argv: list[str]) -> TrainConfig:
 def init_from_settings(init_from) -> tuple[dict, dict]:
     """--init_from's (model config, run config), as far as a quick read finds them."""
     if init_from in MODEL_SHAPES:  # OpenAI's
-        return {**MODEL_SHAPES[init_from], "block_size": 1024, "vocab_size": GPT2_VOCAB_SIZE}, {}
+        return {**MODEL_SHAPES[init_from], "block_size": 1024, "vocab_size": 50257}, {}
     with contextlib.suppress(Exception):  # no file, an unreadable one: check_config or loading
         saved = Run.load_checkpoint(init_from)
         if isinstance(saved, dict):
@@ -1053,15 +1064,16 @@ class _OneLineHelp(argparse.HelpFormatter):  # each flag and its help on one lin
 def check_config(cfg, world_size):
     if cfg.init_from not in ("", *MODEL_SHAPES) and not os.path.isfile(cfg.init_from):
         raise RunError(missing_checkpoint(cfg.init_from, "--init_from"))
-    for name in ["n_layer", "n_head", "n_embd", "block_size", "vocab_size", "total_batch_size",
+    for name in ["n_layer", "n_head", "n_embd", "block_size", "total_batch_size",
                  "micro_batch_size", "seq_len", "max_steps", "eval_steps", "num_samples", "top_k"]:
         if getattr(cfg, name) < 1:
             raise RunError(f"--{name} must be at least 1, got {getattr(cfg, name)}")
     negative = [f"--{name} {getattr(cfg, name)}" for name in (
         "eval_every", "sample_every", "hellaswag_every", "ckpt_every", "keep_ckpts", "grad_clip",
-        "stop_after_steps", "loss_chunk_size", "max_new_tokens", "weight_decay")
+        "stop_after_steps", "loss_chunk_size", "max_new_tokens", "weight_decay", "vocab_size")
         if (getattr(cfg, name) or 0) < 0]
     micro_step_tokens = cfg.micro_batch_size * cfg.seq_len * world_size
+    n_vocab = CheckedRun.tokenizer().n_vocab
     modes = [f"--{mode}" for mode in ("generate", "eval_only", "export_hf") if getattr(cfg, mode)]
     resumed = f"{cfg.log_dir}/ckpt_<step>.pt" if cfg.resume == "auto" else cfg.resume
     fits = micro_batch_that_divides(cfg, world_size, cfg.micro_batch_size)
@@ -1074,9 +1086,9 @@ def check_config(cfg, world_size):
         (cfg.seq_len > cfg.block_size and not (cfg.generate or cfg.export_hf), f"--seq_len "
          f"{cfg.seq_len} is longer than --block_size {cfg.block_size}: lower --seq_len"
          f"{'' if cfg.init_from else ' or raise --block_size'}"),
-        (cfg.vocab_size < GPT2_VOCAB_SIZE and not cfg.init_from, f"--vocab_size {cfg.vocab_size} "
-         f"is smaller than the GPT-2 tokenizer's {GPT2_VOCAB_SIZE} tokens: use at least 50257 "
-         "(50304 is faster)"),
+        (0 < cfg.vocab_size < n_vocab and not cfg.init_from, f"--vocab_size {cfg.vocab_size} is "
+         f"smaller than the tokenizer's {n_vocab} tokens: use at least {n_vocab}, or 0 (padded: "
+         "faster)"),
         (cfg.total_batch_size % micro_step_tokens, f"--total_batch_size {cfg.total_batch_size} is "
          f"not divisible by micro_batch_size x seq_len x processes = {cfg.micro_batch_size} x "
          f"{cfg.seq_len} x {world_size} = {micro_step_tokens}: {divide}"),
@@ -1306,12 +1318,14 @@ class CheckedRun(Run):
     def initial_weights(self):
         model_config, weights = super().initial_weights()
         if weights is not None:
+            check_vocabulary(self.sources.get("--init_from", {}), "--init_from", self.cfg.init_from)
             check_weights_fit(weights, model_config, self.cfg.init_from, "--init_from")
         return model_config, weights
 
     def load_checkpoint(self, path):
         cfg = self.cfg
         if path == cfg.init_from and path in MODEL_SHAPES:  # as released
+            check_vocabulary({}, "--init_from", path)
             return {"model": load_openai_weights(path), "model_config": init_from_settings(path)[0]}
         if path != "auto":
             flag = "--init_from" if path == cfg.init_from else "--resume"
@@ -1333,7 +1347,8 @@ class CheckedRun(Run):
         if not cfg.data_dir and not cfg.text_file and not os.path.exists(TEXT_FILE):
             download(TINY_SHAKESPEARE_URL, TEXT_FILE,
                      "put a text file there, or pass --text_file or --data_dir")
-        return [CheckedTokenStream(stream.arrays) for stream in super().token_streams()]
+        return [CheckedTokenStream(stream.arrays, tokenizer())
+                for stream in super().token_streams()]
 
     def shard_paths(self, split):
         data_dir = self.cfg.data_dir
@@ -1358,9 +1373,10 @@ class CheckedRun(Run):
         except (ValueError, EOFError):  # no .npy header: numpy calls it "pickled data"
             raise RunError(f"cannot read shard {path}: it is not a .npy file (empty, cut short "
                            "or another format): delete it and rerun fineweb.py") from None
-        if tokens.dtype != np.uint16 or tokens.ndim != 1 or len(tokens) < 1:
+        dtype = np.dtype(token_dtype(tokenizer().n_vocab))  # the one fineweb.py writes
+        if tokens.dtype != dtype or tokens.ndim != 1 or len(tokens) < 1:
             raise RunError(f"shard {path} holds {tokens.dtype} of shape {tokens.shape}, not a "
-                           "1-D uint16 array of tokens: rerun fineweb.py")
+                           f"1-D {dtype} array of tokens: rerun fineweb.py")
         return tokens
 
     def text_tokens(self, path):
@@ -1376,12 +1392,12 @@ class CheckedRun(Run):
                            "file") from None
 
     @staticmethod
-    def tokenizer():
+    def tokenizer():  # check_config's call comes first: tiktoken keeps what it loaded
         try:
-            return Run.tokenizer()
+            return tokenizer()
         except (OSError, ValueError) as error:  # offline; a damaged file
-            raise RunError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
-                           "downloads its two files once; connect to the network, or set "
+            raise RunError(f"cannot load the tokenizer ({type(error).__name__}): tiktoken "
+                           "downloads its files once; connect to the network, or set "
                            "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
 
     def hellaswag(self):
@@ -1418,6 +1434,14 @@ class CheckedRun(Run):
 
     def restore(self, checkpoint, model, optimizers, scaler, loader):
         cfg, saved, step = self.cfg, checkpoint["config"], checkpoint["step"]
+        if "windows_consumed" in checkpoint:  # written before the place was counted in tokens
+            T, windows = saved["seq_len"], checkpoint["windows_consumed"]
+            epoch, window = divmod(windows, (checkpoint["train_tokens"] - 1) // T)
+            checkpoint = {**checkpoint, "data_epoch": epoch, "data_position": window * T}
+        if reshaped := changed(saved, cfg, ("seq_len", "micro_batch_size")):
+            self.info(", ".join(f"--{name} {old} -> {new}" for name, (old, new) in reshaped.items())
+                      + ": the data goes on from its next unread token, "
+                      f"{checkpoint['data_position']:,} of epoch {checkpoint['data_epoch']}")
         if checkpoint["train_tokens"] != (tokens := loader.stream.num_tokens):
             self.info(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
                       f"{checkpoint['train_tokens']:,}: its data position points at other tokens "
@@ -1690,8 +1714,7 @@ def missing_checkpoint(path, flag) -> str:
     return f"{flag} {path} {'is a folder' if folder == path else 'does not exist'}: {fix}"
 
 
-CHECKPOINT_KEYS = {"model", "model_config", "optimizer", "scaler", "step", "config",
-                   "windows_consumed", "rng"}
+CHECKPOINT_KEYS = {"model", "model_config", "optimizer", "scaler", "step", "config", "rng"}
 
 
 def file_sha256(path):
@@ -1765,9 +1788,9 @@ def changed(saved: dict, now, names) -> dict:
 def check_resumable(checkpoint: dict, cfg, model_config: GPTConfig):
     path = checkpoint["path"]
     saved = vars(GPTConfig(**{**checkpoint["model_config"], "dropout": cfg.dropout}))
-    differing = {**changed(saved, model_config, saved),  # and the data position's unit:
-                 **changed(checkpoint["config"], cfg, ("total_batch_size", "seq_len", "shuffle",
-                                                       "seed"))}
+    check_vocabulary(checkpoint, "--resume", path)  # shuffled, the order is over windows of T:
+    differing = {**changed(saved, model_config, saved), **changed(checkpoint["config"], cfg, (
+        "total_batch_size", "shuffle", "seed", *["seq_len"] * cfg.shuffle))}
     if differing:
         changes = ", ".join(f"{name} {old} -> {new}" for name, (old, new) in differing.items())
         raise RunError(f"cannot resume from {path}: {changes} (they define its weights, schedule "
@@ -1777,6 +1800,13 @@ def check_resumable(checkpoint: dict, cfg, model_config: GPTConfig):
                        f"{trained_with}'s state; resume with --optimizer {trained_with}, or start "
                        f"a new run from its weights with --init_from {path}")
     check_weights_fit(checkpoint["model"], model_config, path, "--resume")
+
+
+def check_vocabulary(checkpoint: dict, flag, path):
+    """A checkpoint's (OpenAI's: {}) embedding rows are made for its tokenizer's ids."""
+    if (saved := checkpoint.get("n_vocab", 50257)) != (n_vocab := tokenizer().n_vocab):
+        raise RunError(f"{flag} {path} was trained with a tokenizer of {saved:,} tokens, not this "
+                       f"one's {n_vocab:,}: use its tokenizer, or train a new model")
 
 
 def download(url, path, fix):
@@ -1821,23 +1851,23 @@ def failed_write_is_one_line(path, then=RESUME_AUTO):
 
 
 class CheckedTokenStream(TokenStream):
-    """An id beyond GPT-2's (another tokenizer's shard) is clipped and kept as .problem: the run
-    stops at the step's end, on every rank, naming the shard."""
+    """An id beyond the tokenizer's (another tokenizer's shard) is clipped and kept as .problem:
+    the run stops at the step's end, on every rank, naming the shard."""
 
-    def __init__(self, arrays):
+    def __init__(self, arrays, vocab):
         super().__init__(arrays)
         self.names = [getattr(array, "filename", None) or "the text" for array in arrays]
-        self.problem = None
+        self.problem, self.vocab = None, vocab
 
     def read(self, start, count):
-        tokens = super().read(start, count)
-        if tokens.max() >= GPT2_VOCAB_SIZE:
-            at = int(np.argmax(tokens >= GPT2_VOCAB_SIZE))
+        tokens, n_vocab = super().read(start, count), self.vocab.n_vocab
+        if tokens.max() >= n_vocab:
+            at = int(np.argmax(tokens >= n_vocab))
             self.problem = self.problem or (
                 f"{self.names[self.array_at(start + at)]} holds token id {tokens[at]}, beyond "
-                f"GPT-2's {GPT2_VOCAB_SIZE} tokens (made with another tokenizer?): remake the "
-                "shards with fineweb.py")
-            np.minimum(tokens, GPT2_VOCAB_SIZE - 1, out=tokens)
+                f"the {n_vocab} tokens of {self.vocab.name} (made with another tokenizer?): "
+                "remake the shards with fineweb.py")
+            np.minimum(tokens, n_vocab - 1, out=tokens)
         return tokens
 
 
@@ -1924,12 +1954,12 @@ def compiled_step(model: GPT, device) -> tuple:
         compiled = torch.compile(sample_next, fullgraph=True,
                                  mode="reduce-overhead" if device.startswith("cuda") else None)
 
-        def next_token(model, idx, caches, positions, noise, temperature):
+        def next_token(model, idx, caches, *args):  # args: positions, noise, temperature, n_vocab
             for cache in caches:  # the graph reads them in place
                 for tensor in (cache.keys, cache.values, cache.tokens):
                     torch._dynamo.mark_static_address(tensor, guard=False)
             # a copy: the graph's next run overwrites its last output
-            return compiled(model, idx.clone(), caches, positions, noise, temperature)
+            return compiled(model, idx.clone(), caches, *args)
         COMPILED_STEPS[model] = (kv_caches(model), next_token)
     return COMPILED_STEPS[model]
 
@@ -1974,13 +2004,14 @@ def export_hf(cfg):
                        "blobfile") from None
     from safetensors import SafetensorError
     from transformers.integrations.tiktoken import convert_tiktoken_to_fast
-    model_config, state = CheckedRun(cfg).initial_weights()
+    (model_config, state), vocab = CheckedRun(cfg).initial_weights(), CheckedRun.tokenizer()
     # no tokenizer decodes the padding rows; its other defaults are ours: tanh GELU, eps 1e-5, tied
     hf_model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        vocab_size=GPT2_VOCAB_SIZE, n_positions=model_config.block_size, n_embd=model_config.n_embd,
+        vocab_size=vocab.n_vocab, n_positions=model_config.block_size, n_embd=model_config.n_embd,
         n_layer=model_config.n_layer, n_head=model_config.n_head, resid_pdrop=model_config.dropout,
-        embd_pdrop=model_config.dropout, attn_pdrop=model_config.dropout))
-    ours = {name: (tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor[:GPT2_VOCAB_SIZE]
+        embd_pdrop=model_config.dropout, attn_pdrop=model_config.dropout,
+        bos_token_id=vocab.eot_token, eos_token_id=vocab.eot_token))
+    ours = {name: (tensor.t() if name.endswith(OPENAI_TRANSPOSED) else tensor[:vocab.n_vocab]
                    if name in ("transformer.wte.weight", "lm_head.weight") else tensor).contiguous()
             for name, tensor in state.items()}  # transformers' layout, without the padding rows
     gpt2 = hf_model.state_dict()
@@ -2000,25 +2031,31 @@ def export_hf(cfg):
             raise OSError(str(error).partition("I/O error: ")[2]) from None
         for path in Path(folder).glob("*.safetensors"):  # a tempfile's 0600, not
             shutil.copymode(os.path.join(folder, "config.json"), path)  # the umask's as the rest
-        convert_tiktoken_to_fast(CheckedRun.tokenizer(), folder)
-        Path(folder, "tokenizer_config.json").write_text(json.dumps(  # truncation=True's length
-            {"model_max_length": model_config.block_size}))
-        check_export(transformers.GPT2LMHeadModel.from_pretrained(folder), model_config, state)
+        convert_tiktoken_to_fast(vocab, folder)
+        end = vocab.decode([vocab.eot_token])  # <|endoftext|>; model_max_length: truncation's
+        Path(folder, "tokenizer_config.json").write_text(json.dumps(
+            {"model_max_length": model_config.block_size, "bos_token": end, "eos_token": end}))
+        check_export(transformers, folder, model_config, state)
     write_atomically(cfg.export_hf, write, then="run the same command again")
     print(f"wrote {cfg.init_from} to {cfg.export_hf}: load it with AutoTokenizer.from_pretrained"
           f"({cfg.export_hf!r}) and GPT2LMHeadModel.from_pretrained({cfg.export_hf!r})", flush=True)
     return cfg.export_hf
 
 
-def check_export(exported, model_config: GPTConfig, state):
-    """The exported model must give our logits (a hacked one would not)."""
+def check_export(transformers, folder, model_config: GPTConfig, state):
+    """The exported model must give our logits (a hacked one would not), and name our
+    <|endoftext|> in its config and its tokenizer."""
+    exported, vocab = transformers.GPT2LMHeadModel.from_pretrained(folder), tokenizer()
+    named = (exported.config.bos_token_id, exported.config.eos_token_id,
+             transformers.AutoTokenizer.from_pretrained(folder).eos_token_id)
+    assert named == (vocab.eot_token,) * 3, f"the export names {named}, not {vocab.eot_token}"
     ours = GPT(model_config)
     ours.load_state_dict(state)
-    tokens = torch.randint(0, GPT2_VOCAB_SIZE, (2, min(64, model_config.block_size)),
+    tokens = torch.randint(0, vocab.n_vocab, (2, min(64, model_config.block_size)),
                            generator=torch.Generator().manual_seed(0))
-    tokens[:, 3::8] = END_OF_TEXT  # text of several documents: a document mask must show
+    tokens[:, 3::8] = vocab.eot_token  # text of several documents: a document mask must show
     with torch.no_grad():
-        expected = ours.eval()(tokens)[0][..., :GPT2_VOCAB_SIZE]
+        expected = ours.eval()(tokens)[0][..., :vocab.n_vocab]
         difference = (exported.eval()(tokens).logits - expected).abs().max().item()
     if difference > 1e-4 * max(1.0, expected.abs().max().item()):
         raise RunError(f"the exported model's logits differ from ours by up to "

@@ -53,13 +53,21 @@ def checked_run(**config):
 @functools.cache
 def moved_gpt2(offset=70_000):
     """Another tokenizer, offline: GPT-2's merges with every id moved up by offset, so that ids run past 65,535
-    (<|endoftext|> is 120,256 of 120,257). Tests put it in place of train_gpt2.tokenizer and fineweb.tokenizer."""
+    (<|endoftext|> is 120,256 of 120,257). The ids below offset decode to bytes no UTF-8 text holds (0xff, then the
+    id), so a model that samples one prints a replacement character, and no text ever encodes to one. Tests put it
+    in place of train_gpt2.tokenizer and fineweb.tokenizer (pytest --tokenizer moved_gpt2: for the whole run)."""
     import tiktoken
 
     gpt2 = tiktoken.get_encoding("gpt2")
-    return tiktoken.Encoding(name=f"gpt2_moved_{offset}", pat_str=gpt2._pat_str,
-                             mergeable_ranks={piece: rank + offset for piece, rank in gpt2._mergeable_ranks.items()},
+    ranks = {b"\xff" + i.to_bytes(3, "big"): i for i in range(offset)}
+    ranks |= {piece: rank + offset for piece, rank in gpt2._mergeable_ranks.items()}
+    return tiktoken.Encoding(name=f"gpt2_moved_{offset}", pat_str=gpt2._pat_str, mergeable_ranks=ranks,
                              special_tokens={"<|endoftext|>": gpt2.eot_token + offset})
+
+
+def pytest_addoption(parser):
+    parser.addoption("--tokenizer", default="gpt2", choices=["gpt2", "moved_gpt2"],
+                     help="moved_gpt2: the tests run with conftest's moved_gpt2() in place of train_gpt2's tokenizer")
 
 
 def pytest_configure(config):
@@ -68,6 +76,11 @@ def pytest_configure(config):
     # A file or socket a test leaves open fails that test (python -X dev -W error::ResourceWarning would only warn)
     config.addinivalue_line("filterwarnings", "error::ResourceWarning")
     config.addinivalue_line("filterwarnings", "error::pytest.PytestUnraisableExceptionWarning")
+    if config.getoption("tokenizer") == "moved_gpt2":  # as a hacker's edit of tokenizer() would
+        import fineweb
+        import train_gpt2
+
+        train_gpt2.tokenizer = fineweb.tokenizer = moved_gpt2
 
 
 def named(name):

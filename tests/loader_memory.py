@@ -43,7 +43,7 @@ def main():
             loader.next_batch()
         elapsed = time.perf_counter() - started
         after = memory_mib()
-    print(f"streamed {loader.windows_consumed:,} windows ({stream.num_tokens:,} tokens in 4 shards) in {elapsed:.1f} s")
+    print(f"streamed {loader.num_windows:,} windows ({stream.num_tokens:,} tokens in 4 shards) in {elapsed:.1f} s")
     print(f"RssAnon (owned) before {before['RssAnon']:.0f} MiB, after {after['RssAnon']:.0f} MiB; "
           f"RssFile (mapped shard pages) before {before['RssFile']:.0f} MiB, after {after['RssFile']:.0f} MiB")
 

@@ -27,7 +27,7 @@ def write_checkpoint(path: str) -> None:
     model(tokens, tokens)[1].backward()  # (logits, loss)
     optimizer.step()  # creates AdamW's two moments for every weight
     state = {"model": model.state_dict(), "model_config": vars(model.config), "optimizer": [optimizer.state_dict()],
-             "scaler": {}, "step": 1, "config": {}, "windows_consumed": 0, "rng": {}}  # what a checkpoint holds
+             "scaler": {}, "step": 1, "config": {}, "data_epoch": 0, "data_position": 0, "rng": {}}  # what a checkpoint holds
     train_gpt2.save_checkpoint(path, state, keep=0)
 
 

@@ -189,7 +189,7 @@ def test_resume_at_another_world_size_and_with_the_optimizer_sharded_trains_on_t
     assert len(torch.load(log_dir / "ckpt_6.pt")["optimizer"][0]["state"]) == num_tensors  # both shares
     run(["--resume", "auto"], log_dir)
     assert logged(log_dir) == logged(straight)
-    assert torch.load(log_dir / "ckpt_8.pt")["windows_consumed"] == 8 * 8  # 8 steps of 256 tokens = 8 windows of 32
+    assert torch.load(log_dir / "ckpt_8.pt")["data_position"] == 8 * 256  # 8 steps of 256 tokens
 
 
 def test_muon_in_two_processes_trains_like_one_and_resumes_exactly_at_another_count_plain_or_sharded(tmp_path,
@@ -232,11 +232,12 @@ def test_resuming_with_the_other_optimizer_is_refused_naming_the_flag(two_checkp
 def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):
     run(["--max_steps", "3", "--warmup_steps", "1"], tmp_path)
     checkpoint = torch.load(tmp_path / "ckpt_3.pt", weights_only=True)  # the safe loader reads it
-    assert set(checkpoint) == {"model", "model_config", "optimizer", "scaler", "step", "config", "windows_consumed",
-                               "train_tokens", "rng", "source"}  # source: the train_gpt2.py that wrote it
+    assert set(checkpoint) == {"model", "model_config", "optimizer", "scaler", "step", "config", "data_epoch",
+                               "data_position", "train_tokens", "n_vocab", "rng", "source"}  # source: the train_gpt2.py that wrote it
     assert checkpoint["model_config"] == {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64,
                                           "vocab_size": 50304, "dropout": 0.0}  # what the weights mean
-    assert checkpoint["step"] == 3 and checkpoint["windows_consumed"] == 24
+    assert checkpoint["step"] == 3 and (checkpoint["data_epoch"], checkpoint["data_position"]) == (0, 3 * 256)
+    assert checkpoint["n_vocab"] == 50257  # the tokenizer's: its embedding rows mean its ids
     assert checkpoint["train_tokens"] == 304_222  # tiny Shakespeare's first 90%
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in checkpoint["model"])
     assert checkpoint["config"]["n_embd"] == 32

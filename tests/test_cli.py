@@ -36,8 +36,8 @@ def one_line_error(result):
         (["--device", "tpu"], "error: unknown --device 'tpu': use auto, cpu, cuda, cuda:N or mps"),
         (["--device", "cuda"], "error: --device cuda is not available on this machine: use --device auto or cpu"),
         (["--vocab_size", "1000"],
-         "error: --vocab_size 1000 is smaller than the GPT-2 tokenizer's 50257 tokens: use at least 50257 "
-         "(50304 is faster)"),
+         "error: --vocab_size 1000 is smaller than the tokenizer's 50257 tokens: use at least 50257, or 0 (padded: "
+         "faster)"),
         (["--warmup_steps", "21"], "error: --warmup_steps 21 must be between 0 and --max_steps 20: lower --warmup_steps"),
         (["--n_embd", "33"], "error: --n_embd 33 is not divisible by --n_head 2: pick a width that is"),
         (["--dtype", "float8"], "error: argument --dtype: invalid choice: 'float8' (choose from 'auto', "
@@ -67,7 +67,7 @@ def test_too_little_data_for_a_step_or_an_evaluation(args, message, capsys, tmp_
     assert error_line_in_process(TINY_ARGS + args + ["--log_dir", str(tmp_path)], capsys) == message
 
 
-TOKENIZER_OFFLINE = ("error: cannot load the GPT-2 tokenizer (ProxyError): tiktoken downloads its two files once; "
+TOKENIZER_OFFLINE = ("error: cannot load the tokenizer (ProxyError): tiktoken downloads its files once; "
                      "connect to the network, or set TIKTOKEN_CACHE_DIR to a folder that holds them")
 
 

@@ -36,7 +36,7 @@ def test_first_batches_are_windows_with_targets_shifted_by_one():
     x, y = data.next_batch()
     assert x.tolist() == [[8, 9, 10, 11], [12, 13, 14, 15]]
     assert y.tolist() == [[9, 10, 11, 12], [13, 14, 15, 16]]
-    assert data.windows_consumed == 4
+    assert (data.epoch, data.position) == (0, 16)  # 4 windows of 4 tokens read
 
 
 def test_every_usable_window_then_a_new_epoch():
@@ -45,7 +45,7 @@ def test_every_usable_window_then_a_new_epoch():
     assert data.num_windows == 24
     assert starts(data, 12) == list(range(0, 96, 4)) and data.epoch == 1
     assert starts(data, 2) == [0, 4, 8, 12]  # epoch 1 starts again from the first window
-    assert data.windows_consumed == 28
+    assert (data.epoch, data.position) == (1, 16)  # 24 windows in epoch 0, then 4
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -98,11 +98,11 @@ def test_the_stored_position_resumes_the_same_windows_at_another_world_size():
     for _ in range(4):
         step_windows(two_ranks, 2)
         starts(uninterrupted, 1)
-    position = two_ranks[0].windows_consumed  # what a checkpoint stores: one integer
-    assert position == two_ranks[1].windows_consumed == 48
+    place = (two_ranks[0].epoch, two_ranks[0].position)  # what a checkpoint stores: tokens read of the epoch
+    assert place == (two_ranks[1].epoch, two_ranks[1].position) == (0, 48 * 8)
     three_ranks = [loader(stream, 2, 8, r, 3, True, 1) for r in range(3)]
     for data in three_ranks:
-        data.windows_consumed = position
+        data.epoch, data.position = place
     for _ in range(10):  # past the end of the epoch too
         assert step_windows(three_ranks, 2) == sorted(starts(uninterrupted, 1))
 
@@ -215,7 +215,7 @@ def test_a_token_beyond_the_vocabulary_is_named_with_its_shard_and_never_reaches
         t.main(t.parse_args(args))
     assert stopped.value.code == 2
     assert capsys.readouterr().err == (f"error: {tmp_path / 'bad_train_000002.npy'} holds token id 60000, beyond "
-                                       "GPT-2's 50257 tokens (made with another tokenizer?): remake the shards with "
+                                       "the 50257 tokens of gpt2 (made with another tokenizer?): remake the shards with "
                                        "fineweb.py\n")
     assert list((tmp_path / "log").glob("ckpt_*")) == []  # nothing saved from that step
 

@@ -197,7 +197,7 @@ def test_a_token_beyond_the_vocabulary_on_one_rank_stops_every_rank_with_one_lin
     flags = TINY_ARGS[: TINY_ARGS.index("--text_file")] + ["--data_dir", str(tmp_path), "--no-shuffle"]
     result = torchrun(2, ["train_gpt2.py"] + flags + ["--log_dir", str(tmp_path / "log")])
     assert_every_rank_stopped_with_one_line(
-        result, f"error: {tmp_path / 'bad_train_000002.npy'} holds token id 60000, beyond GPT-2's 50257 tokens (made "
+        result, f"error: {tmp_path / 'bad_train_000002.npy'} holds token id 60000, beyond the 50257 tokens of gpt2 (made "
                 "with another tokenizer?): remake the shards with fineweb.py (on rank 1)")
     assert "exitcode  : 2" in result.stderr.split("Root Cause")[1] and "IndexError" not in result.stderr
 
