@@ -1452,9 +1452,12 @@ class CheckedRun(Run):
             old = dataclasses.replace(cfg, **{k: v for k, (v, _) in differing.items()
                                               if v is not None})
             flags = ", ".join(f"--{k} {v} -> {now}" for k, (v, now) in differing.items())
-            self.info(f"warning: the optimizer and schedule differ from the checkpoint's ({flags}):"
-                      f" at step {step} the learning rate goes on at {lr_at(step, cfg):.4e} "
-                      f"instead of {lr_at(step, old):.4e}")
+            rate, saved_rate = lr_at(step, cfg), lr_at(step, old)  # the same: say the flags alone
+            if rate != saved_rate or differing.keys() - {"max_lr", "min_lr_ratio", "warmup_steps",
+                                                         "max_steps"}:
+                self.info(f"warning: the optimizer and schedule differ from the checkpoint's "
+                          f"({flags})" + (f": at step {step} the learning rate goes on at "
+                          f"{rate:.4e} instead of {saved_rate:.4e}" if rate != saved_rate else ""))
         return super().restore(checkpoint, model, optimizers, scaler, loader)
 
     # ---- the log: metrics.jsonl, and TensorBoard's events beside it
@@ -1542,7 +1545,8 @@ class CheckedRun(Run):
             f"{loader.stream.num_tokens:,} train tokens" + (
                 f"; flags not given: {cfg.init_from}'s seq_len, batch sizes, eval_steps"
                 if os.path.isfile(cfg.init_from) else "") + "".join(
-                f"; {flag} {saved['path']} was written by a train_gpt2.py {apart} lines apart"
+                f"; {flag} {saved['path']} was written by a train_gpt2.py {apart} line"
+                f"{'s' * (apart > 1)} apart"
                 for flag, saved, apart in self.code_changes()))]))
 
     def code_changes(self):

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -606,6 +607,17 @@ def test_resuming_with_another_schedule_says_how_the_learning_rate_jumps(tmp_pat
     assert [r["lr"] for r in result.records if "lr" in r][0] == t.lr_at(4, new) > 6 * t.lr_at(4, old)
 
 
+def test_a_longer_schedule_whose_rate_stays_the_same_gives_no_warning(tmp_path, capsys):
+    """A fine-tune at a constant rate (--min_lr_ratio 1) extended: it warned "goes on at 3.0000e-03 instead of
+    3.0000e-03"."""
+    constant = ["--warmup_steps", "1", "--min_lr_ratio", "1"]
+    run(constant + ["--max_steps", "4"], tmp_path)
+    capsys.readouterr()
+    result = run(constant + ["--max_steps", "6", "--resume", "auto"], tmp_path)
+    assert "warning" not in capsys.readouterr().out
+    assert [r["lr"] for r in result.records if "lr" in r] == [3e-3, 3e-3]
+
+
 def test_ckpt_every_0_writes_no_checkpoint(tmp_path):
     """The benchmark command: it used to write one at the end anyway (1.49 GB at 124M)."""
     run(["--max_steps", "3", "--warmup_steps", "1", "--ckpt_every", "0"], tmp_path)
@@ -651,12 +663,80 @@ def test_a_checkpoint_holds_its_code_and_going_on_with_other_code_says_how_far_a
     path = tmp_path / "ckpt_2.pt"
     checkpoint = torch.load(path, weights_only=True)
     assert checkpoint["source"] == (ROOT / "train_gpt2.py").read_text()
-    checkpoint["source"] += "# a line the hacker added\n# and another\n"  # the code that wrote it, other than this
+    checkpoint["source"] += "# a line the hacker added\n"  # the code that wrote it, other than this
     torch.save(checkpoint, path)
     Path(f"{path}.sha256").write_text(t.file_sha256(str(path)) + "\n")
     capsys.readouterr()
     run(["--resume", "auto"], tmp_path)
     out = capsys.readouterr().out
-    assert f"; --resume {path} was written by a train_gpt2.py 2 lines apart\n" in out
+    assert f"; --resume {path} was written by a train_gpt2.py 1 line apart\n" in out  # not "1 lines"
     first_records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if "run" in line[:8]]
     assert [r["run"]["resumed_at"] for r in first_records] == [None, 2]  # each start of the run is recorded
+
+
+# ------------------------------ the data position counts tokens (issue 68)
+
+def counting_shards(folder):
+    """--data_dir flags for uint16 shards whose token at each position is that position: a batch's tokens say where
+    it was read."""
+    folder.mkdir(exist_ok=True)
+    for split, size in (("train", 20_000), ("val", 300)):
+        np.save(folder / f"count_{split}_000000.npy", np.arange(size, dtype=np.uint16))
+    return TINY_ARGS[: TINY_ARGS.index("--text_file")] + ["--data_dir", str(folder)]
+
+
+def record_batches(monkeypatch) -> list:
+    """Every x (B, T) a DataLoader hands out from now on, in order."""
+    batches, next_batch = [], t.DataLoader.next_batch
+
+    def recorded(loader):
+        x, y = next_batch(loader)
+        batches.append(x)
+        return x, y
+    monkeypatch.setattr(t.DataLoader, "next_batch", recorded)
+    return batches
+
+
+def assert_read_in_order(batches):
+    """Each row of counting_shards' tokens starts where the row before it ended: no token read twice, none skipped."""
+    due = 0
+    for i, x in enumerate(batches):
+        for row in x.tolist():
+            assert row[0] == due, f"batch {i} (of {len(x[0])} tokens a row) read token {row[0]} where {due} was due"
+            due = row[-1] + 1
+
+
+def test_a_resume_at_another_seq_len_reads_next_the_token_where_it_stopped(tmp_path, monkeypatch, capsys):
+    """The data position was a count of windows: 16 windows of 32 read as windows of 64 skipped 512 tokens, with a
+    normal "resumed" line."""
+    args = counting_shards(tmp_path / "data") + ["--max_steps", "8", "--log_dir", str(tmp_path / "log")]
+    batches = record_batches(monkeypatch)
+    t.main(t.parse_args(args + ["--stop_after_steps", "2"]))
+    capsys.readouterr()
+    t.main(t.parse_args(args + ["--resume", "auto", "--seq_len", "64"]))
+    assert ("--seq_len 32 -> 64: the data goes on from its next unread token, 512 of epoch 0\n"
+            "resumed from step 2 (token 512 of epoch 0)\n") in capsys.readouterr().out
+    assert [x.shape[1] for x in batches] == [32] * 4 + [64] * 6  # 2 steps of 2 micro-steps, then 6 steps of 1
+    assert_read_in_order(batches)
+
+
+def test_a_resume_at_another_seq_len_with_shuffle_is_refused(tmp_path, capsys):
+    """Shuffled, the order is drawn over windows of --seq_len: another length has another order."""
+    run(["--shuffle", "--stop_after_steps", "2"], tmp_path)
+    with pytest.raises(SystemExit):
+        run(["--shuffle", "--resume", "auto", "--seq_len", "64"], tmp_path)
+    assert capsys.readouterr().err == (f"error: cannot resume from {tmp_path / 'ckpt_2.pt'}: seq_len 32 -> 64 (they "
+                                       "define its weights, schedule and data position): use its values\n")
+
+
+def test_a_checkpoint_that_counted_windows_resumes_where_it_stopped(tmp_path, straight, one_thread):
+    """Checkpoints written before the position was counted in tokens hold windows_consumed instead."""
+    run(["--stop_after_steps", "4"], tmp_path)
+    path = tmp_path / "ckpt_4.pt"
+    checkpoint = torch.load(path, weights_only=True)
+    position = checkpoint.pop("data_position")
+    del checkpoint["data_epoch"], checkpoint["n_vocab"]
+    torch.save({**checkpoint, "windows_consumed": position // 32}, path)  # as one was written
+    Path(f"{path}.sha256").write_text(t.file_sha256(str(path)) + "\n")
+    run(["--resume", "auto"], tmp_path)
+    assert logged(tmp_path) == logged(straight)

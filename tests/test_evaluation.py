@@ -679,8 +679,8 @@ def test_an_edit_to_the_recipes_sampling_reaches_generate_with_compile(monkeypat
     compiled tokens as it changes the eager ones."""
     sample_next = t.sample_next
 
-    def greedy(model, idx, caches, positions, noise, temperature):
-        return sample_next(model, idx, caches, positions, torch.ones_like(noise), temperature)
+    def greedy(model, idx, caches, positions, noise, temperature, n_vocab):
+        return sample_next(model, idx, caches, positions, torch.ones_like(noise), temperature, n_vocab)
 
     monkeypatch.setattr(t, "sample_next", greedy)
     torch.manual_seed(0)

@@ -574,7 +574,9 @@ def visible_as(mask):
         t.visible_is_causal.cache_clear()
 
 
-END_OF_TEXT = t.END_OF_TEXT  # for document_mask, whose lines read as they would in the file
+# <|endoftext|>'s id, taken once from the file's tokenizer (whichever it names), as a hacker's mask would take it:
+# torch.compile cannot trace the tokenizer's load inside forward. document_mask's lines read as they would in the file.
+END_OF_TEXT = t.tokenizer().eot_token
 
 
 def sliding_window(query_positions, key_positions, key_tokens):  # README.md's edit of visible()'s return line
@@ -601,14 +603,15 @@ def first_query_seeing_otherwise(mask, other, tokens) -> int | None:
 def with_documents(length=64, every=13):
     """(2, length) tokens below 300, with <|endoftext|> every `every` tokens from a different start in each row."""
     tokens = torch.randint(0, 300, (2, length), generator=torch.Generator().manual_seed(0))
-    tokens[0, 5::every], tokens[1, 9::every] = t.END_OF_TEXT, t.END_OF_TEXT
+    tokens[0, 5::every], tokens[1, 9::every] = END_OF_TEXT, END_OF_TEXT
     return tokens
 
 
 def tiny_model_64(seed=0):
-    """tiny_model with 64 positions and GPT-2's padded vocabulary, for with_documents()."""
+    """tiny_model with 64 positions and the tokenizer's padded vocabulary, for with_documents()."""
     torch.manual_seed(seed)
-    return t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=50304))
+    vocab_size = t.machine_choices(t.TrainConfig(device="cpu"), t.Launch()).vocab_size  # GPT-2's: 50304
+    return t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=vocab_size))
 
 
 def assert_cache_equals_no_cache_over(model, tokens, prompt_length=7):

@@ -119,14 +119,18 @@ class Share:
         items[:] = share
 
 
-def test_the_worked_change_passes_the_model_tests_a_hacker_runs(tmp_path):
-    """`pytest -m "not recipe" tests/test_model.py`, the README's change made before the tests import the file. Its
-    tests are shared between 2 processes of one thread, one a core, that together run each test exactly once."""
-    script = ("import sys, pytest, train_gpt2, test_readme\n"
-              "train_gpt2.CausalSelfAttention = test_readme.worked_change_attention(vars(train_gpt2))\n"
+@pytest.mark.parametrize("change", ["rotary", "tokenizer"])
+def test_the_worked_change_passes_the_model_tests_a_hacker_runs(tmp_path, change):
+    """`pytest -m "not recipe" tests/test_model.py`, the README's change made before the tests import the file, or
+    another tokenizer in place of GPT-2's (conftest's moved_gpt2: nine tests wrote GPT-2's <|endoftext|> into models
+    of its 50,304 rows or fewer). Its tests are shared between 2 processes of one thread, one a core, that together
+    run each test exactly once."""
+    made = {"rotary": "train_gpt2.CausalSelfAttention = test_readme.worked_change_attention(vars(train_gpt2))\n",
+            "tokenizer": ""}[change]  # the tokenizer: --tokenizer moved_gpt2 (conftest), as the tests start
+    script = ("import sys, pytest, train_gpt2, test_readme\n" + made +
               "share = test_readme.Share(int(sys.argv[1]), 2, sys.argv[2])\n"
-              "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-m', 'not recipe', 'tests/test_model.py'],"
-              " plugins=[share]))\n")
+              "sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-m', 'not recipe', 'tests/test_model.py', "
+              f"'--tokenizer', {'moved_gpt2' if change == 'tokenizer' else 'gpt2'!r}], plugins=[share]))\n")
     path = os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))
     shares = [subprocess.Popen([sys.executable, "-c", script, str(index), str(tmp_path / f"share{index}")], cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -310,3 +314,47 @@ def test_the_machinery_reads_in_the_order_a_run_calls_it_and_the_recipe_names_no
     named = sorted({name for _, name, _ in after} & {n.id for node in recipe for n in ast.walk(node)
                                                       if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)})
     assert named == [], f"the recipe names {named}, defined after the banner"
+
+
+def curriculum_line() -> str:
+    """The README's sequence-length curriculum: the one line it adds to train()'s loop."""
+    part = README.split("sequence-length curriculum", 1)[1]
+    block = re.search(r"```python\n(.*?)```", part, re.S).group(1)
+    return block.strip().splitlines()[-1].strip()
+
+
+def test_the_readmes_curriculum_stopped_and_resumed_reads_and_trains_as_the_uninterrupted_run(tmp_path,
+                                                                                               monkeypatch, one_thread):
+    """The README's line run where it says, at the loop's first line (the hardened Run's hooks: before the first
+    step, and after each step for the next), stopped inside the curriculum, then resumed: the tokens read in order
+    and the losses bitwise the uninterrupted run's. It counted windows: a resume after 16-token windows read
+    32-token ones, skipping tokens (losses up to 0.38 apart)."""
+    from test_checkpoint import assert_read_in_order, counting_shards, logged, record_batches
+
+    line = curriculum_line()
+    assert line.startswith("train_loader.seq_len = ") and len(line) < 100, line
+
+    class Curriculum(t.CheckedRun):
+        next_step = 0
+
+        def restore(self, *args):
+            self.next_step = super().restore(*args)
+            return self.next_step
+
+        def start(self, model, accum_steps, loader):
+            exec(line, {"train_loader": loader, "step": self.next_step, "cfg": self.cfg})
+            super().start(model, accum_steps, loader)
+
+        def log_step(self, step, loss, lr, grad_norm, ms, loader):
+            super().log_step(step, loss, lr, grad_norm, ms, loader)
+            exec(line, {"train_loader": loader, "step": step + 1, "cfg": self.cfg})
+
+    monkeypatch.setattr(t, "CheckedRun", Curriculum)
+    args = counting_shards(tmp_path / "data") + ["--max_steps", "6", "--warmup_steps", "3"]
+    t.main(t.parse_args(args + ["--log_dir", str(tmp_path / "straight")]))
+    batches = record_batches(monkeypatch)
+    t.main(t.parse_args(args + ["--log_dir", str(tmp_path / "resumed"), "--stop_after_steps", "2"]))
+    t.main(t.parse_args(args + ["--log_dir", str(tmp_path / "resumed"), "--resume", "auto"]))
+    assert [x.shape[1] for x in batches] == [16] * 6 + [32] * 6  # 2 micro-steps a step: 3 steps of 16, 3 of 32
+    assert_read_in_order(batches)
+    assert logged(tmp_path / "resumed") == logged(tmp_path / "straight")

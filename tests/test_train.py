@@ -412,8 +412,11 @@ def window_of_16_on_masks_alone(query_positions_unknown=None):
     return windowed
 
 
+END_OF_TEXT = t.tokenizer().eot_token  # once, outside forward, as a hacker's mask takes it
+
+
 def documents_visible(query_positions, key_positions, key_tokens):
-    documents = (key_tokens == t.END_OF_TEXT).cumsum(-1)  # (B, Tk): each key's document
+    documents = (key_tokens == END_OF_TEXT).cumsum(-1)  # (B, Tk): each key's document
     same = documents[:, query_positions, None] == documents[:, None, :]  # (B, Tq, Tk)
     return ((key_positions <= query_positions[:, None]) & same)[:, None]
 
