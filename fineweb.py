@@ -1,12 +1,12 @@
-"""Tokenize a corpus into the uint16 .npy shards that `train_gpt2.py --data_dir` reads.
+"""Tokenize a corpus into the .npy shards that `train_gpt2.py --data_dir` reads.
 
     python3 fineweb.py                                   # FineWeb-Edu sample-10BT (needs datasets)
     python3 fineweb.py --input 'my_corpus/*.jsonl' --out_dir my_shards
     python3 fineweb.py --resume                          # the same command again after a stop
 
-Each document becomes <|endoftext|> and its GPT-2 tokens, cut into shards of --shard_size tokens
-(a corpus within one shard: in tenths): the first for validation, the rest for training; the same
-bytes for any number of workers.
+Each document becomes <|endoftext|> and its tokens (tokenizer(): GPT-2's, uint16; uint32 for ids
+past 65,535), cut into shards of --shard_size tokens (a corpus within one shard: in tenths): the
+first for validation, the rest for training; the same bytes for any number of workers.
 """
 
 import argparse
@@ -249,21 +249,27 @@ def last_note_within(notes: collections.deque, documents: int) -> dict | None:
 # ----------------------------------------------------------------------------- tokenizing
 
 @functools.cache
-def gpt2_encoding():
+def tokenizer():
+    """The one place that names the tokenizer: the ids, <|endoftext|> and the dtype follow it."""
     import tiktoken
 
     try:
         return tiktoken.get_encoding("gpt2")
     except (OSError, ValueError) as error:  # offline with nothing cached; a damaged file
-        raise ConfigError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
-                          "downloads its two files once; connect to the network, or set "
+        raise ConfigError(f"cannot load the tokenizer ({type(error).__name__}): tiktoken "
+                          "downloads its files once; connect to the network, or set "
                           "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
 
 
+def token_dtype() -> type:
+    """uint16 while every id fits, as build-nanogpt's GPT-2 shards; else uint32."""
+    return np.uint16 if tokenizer().n_vocab <= 2**16 else np.uint32
+
+
 def tokenize_document(text: str) -> np.ndarray:
-    """<|endoftext|> then the document's tokens, uint16 (every GPT-2 id is below 2**16)."""
-    encoding = gpt2_encoding()
-    return np.array([encoding.eot_token] + encoding.encode_ordinary(text), dtype=np.uint16)
+    """<|endoftext|> then the document's tokens."""
+    encoding = tokenizer()
+    return np.array([encoding.eot_token] + encoding.encode_ordinary(text), dtype=token_dtype())
 
 
 def tokenize_documents(texts: list[str]) -> list[np.ndarray]:
@@ -375,7 +381,7 @@ def write_shards(token_arrays, out_dir: str, prefix: str, shard_size: int,
     """Cut the tokens into shards of shard_size (the last holds the rest), documents spilling over.
     token_arrays go on from start (the first less the tokens already written); on_shard gets each
     complete shard's Position. Returns (documents, tokens, shards) from the stream's start."""
-    buffer = np.empty(shard_size, dtype=np.uint16)
+    buffer = np.empty(shard_size, dtype=token_dtype())
     filled, documents, shards = 0, start.documents, start.shards
     total_tokens, already_written = start.shards * shard_size, start.tokens_into_next
     for document in token_arrays:
@@ -521,7 +527,7 @@ def main(cfg: argparse.Namespace) -> tuple[int, int, int]:
               {"dataset": cfg.dataset, "dataset_subset": cfg.dataset_subset})
     settings = {**source, "text_field": cfg.text_field, "shard_size": cfg.shard_size,
                 "prefix": prefix}
-    gpt2_encoding()  # a tokenizer that cannot be had stops the run before it writes anything
+    tokenizer()  # a tokenizer that cannot be had stops the run before it writes anything
     made_out_dir = not os.path.isdir(cfg.out_dir)
     if cfg.resume and not made_out_dir:
         start, resume_note = resume_position(cfg.out_dir, settings)
