@@ -1,12 +1,12 @@
-"""Tokenize a corpus into the uint16 .npy shards that `train_gpt2.py --data_dir` reads.
+"""Tokenize a corpus into the .npy shards that `train_gpt2.py --data_dir` reads.
 
     python3 fineweb.py                                   # FineWeb-Edu sample-10BT (needs datasets)
     python3 fineweb.py --input 'my_corpus/*.jsonl' --out_dir my_shards
     python3 fineweb.py --resume                          # the same command again after a stop
 
-Each document becomes <|endoftext|> and its GPT-2 tokens, cut into shards of --shard_size tokens
-(a corpus within one shard: in tenths): the first for validation, the rest for training; the same
-bytes for any number of workers.
+Each document becomes <|endoftext|> and its tokens (tokenizer(): GPT-2's, uint16; uint32 for ids
+past 65,535), cut into shards of --shard_size tokens (a corpus of less than 10: in tenths): the
+first for validation, the rest for training; the same bytes for any number of workers.
 """
 
 import argparse
@@ -61,7 +61,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out_dir", default="edu_fineweb10B", help="folder for the shards")
     parser.add_argument("--prefix", default="", help="shard name prefix (default: out_dir's name)")
     parser.add_argument("--shard_size", type=int, default=10**8,
-                        help="tokens per shard (200 MB); a smaller corpus: a tenth of it")
+                        help="tokens per shard (200 MB); a corpus of less than 10: a tenth of it")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2),
                         help="tokenizer processes")
     parser.add_argument("--overwrite", action="store_true", help="delete out_dir's shards first")
@@ -249,21 +249,27 @@ def last_note_within(notes: collections.deque, documents: int) -> dict | None:
 # ----------------------------------------------------------------------------- tokenizing
 
 @functools.cache
-def gpt2_encoding():
+def tokenizer():
+    """The one place that names the tokenizer: the ids, <|endoftext|> and the dtype follow it."""
     import tiktoken
 
     try:
         return tiktoken.get_encoding("gpt2")
     except (OSError, ValueError) as error:  # offline with nothing cached; a damaged file
-        raise ConfigError(f"cannot load the GPT-2 tokenizer ({type(error).__name__}): tiktoken "
-                          "downloads its two files once; connect to the network, or set "
+        raise ConfigError(f"cannot load the tokenizer ({type(error).__name__}): tiktoken "
+                          "downloads its files once; connect to the network, or set "
                           "TIKTOKEN_CACHE_DIR to a folder that holds them") from None
 
 
+def token_dtype() -> type:
+    """uint16 while every id fits, as build-nanogpt's GPT-2 shards; else uint32."""
+    return np.uint16 if tokenizer().n_vocab <= 2**16 else np.uint32
+
+
 def tokenize_document(text: str) -> np.ndarray:
-    """<|endoftext|> then the document's tokens, uint16 (every GPT-2 id is below 2**16)."""
-    encoding = gpt2_encoding()
-    return np.array([encoding.eot_token] + encoding.encode_ordinary(text), dtype=np.uint16)
+    """<|endoftext|> then the document's tokens."""
+    encoding = tokenizer()
+    return np.array([encoding.eot_token] + encoding.encode_ordinary(text), dtype=token_dtype())
 
 
 def tokenize_documents(texts: list[str]) -> list[np.ndarray]:
@@ -375,7 +381,7 @@ def write_shards(token_arrays, out_dir: str, prefix: str, shard_size: int,
     """Cut the tokens into shards of shard_size (the last holds the rest), documents spilling over.
     token_arrays go on from start (the first less the tokens already written); on_shard gets each
     complete shard's Position. Returns (documents, tokens, shards) from the stream's start."""
-    buffer = np.empty(shard_size, dtype=np.uint16)
+    buffer = np.empty(shard_size, dtype=token_dtype())
     filled, documents, shards = 0, start.documents, start.shards
     total_tokens, already_written = start.shards * shard_size, start.tokens_into_next
     for document in token_arrays:
@@ -400,10 +406,11 @@ def write_shards(token_arrays, out_dir: str, prefix: str, shard_size: int,
     return documents, total_tokens, shards
 
 
-def recut_in_tenths(out_dir: str, prefix: str) -> tuple[int, int]:
-    """A corpus within one shard, all in the val shard, cut again in tenths: a tenth validates, as
-    train_gpt2.py holds out of a text file. Returns (the new shard size, shards)."""
-    tokens = np.load(shard_path(out_dir, prefix, 0))
+def recut_in_tenths(out_dir: str, prefix: str, shards: int) -> tuple[int, int]:
+    """A corpus of less than 10 shards, read into memory and cut again in tenths: a tenth validates,
+    as train_gpt2.py holds out of a text file. Returns (the new shard size, shards)."""
+    paths = [shard_path(out_dir, prefix, index) for index in range(shards)]
+    tokens = np.concatenate([np.load(path, mmap_mode="r") for path in paths])
     shard_size = -(-len(tokens) // 10)  # rounded up: 10 shards, the last the rest
     return shard_size, write_shards(iter([tokens]), out_dir, prefix, shard_size)[2]
 
@@ -521,7 +528,7 @@ def main(cfg: argparse.Namespace) -> tuple[int, int, int]:
               {"dataset": cfg.dataset, "dataset_subset": cfg.dataset_subset})
     settings = {**source, "text_field": cfg.text_field, "shard_size": cfg.shard_size,
                 "prefix": prefix}
-    gpt2_encoding()  # a tokenizer that cannot be had stops the run before it writes anything
+    tokenizer()  # a tokenizer that cannot be had stops the run before it writes anything
     made_out_dir = not os.path.isdir(cfg.out_dir)
     if cfg.resume and not made_out_dir:
         start, resume_note = resume_position(cfg.out_dir, settings)
@@ -553,16 +560,18 @@ def main(cfg: argparse.Namespace) -> tuple[int, int, int]:
         if num_tokens < MIN_SHARD_SIZE:
             raise ConfigError(f"the corpus holds {num_tokens:,} tokens, less than one training "
                               f"window of {MIN_SHARD_SIZE:,}: give more text")
-        if num_shards == 1:  # all of it in the val shard, and none to train on
-            size, num_shards = recut_in_tenths(cfg.out_dir, prefix)
-            print(f"{num_tokens:,} tokens, less than one --shard_size ({cfg.shard_size:,}): "
-                  f"shards of {size:,} instead, the first for validation and {num_shards - 1} "
-                  "for training")
+        size, tenths = cfg.shard_size, ""
+        if num_tokens < 10 * size:  # the val shard would hold more than a tenth
+            write_marker(cfg.out_dir, settings, Position(), None)  # a stop while cutting: anew
+            size, num_shards = recut_in_tenths(cfg.out_dir, prefix, num_shards)
+            tenths = " (a tenth each, as the corpus is under 10 --shard_size)"
     os.remove(os.path.join(cfg.out_dir, INCOMPLETE_MARKER))  # every shard is whole and in place
     speed = (num_tokens - start.shards * cfg.shard_size) / (time.perf_counter() - started)
     resumed = f" (went on after {start.shards} shards)" if start.shards else ""
-    print(f"{num_documents:,} documents, {num_tokens:,} tokens, {num_shards} shards in "
-          f"{cfg.out_dir}{resumed}, {speed:,.0f} tokens/s")
+    print(f"{num_tokens:,} tokens: {size:,} validate (the val shard), {num_tokens - size:,} train "
+          f"in {num_shards - 1} shards{tenths}")
+    print(f"{num_documents:,} documents, {num_shards} shards in {cfg.out_dir}{resumed}, "
+          f"{speed:,.0f} tokens/s")
     return num_documents, num_tokens, num_shards
 
 
