@@ -31,8 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def tokenizer():
-    """The tokenizer, named here alone: the model's rows, <|endoftext|> (between documents; an
-    empty prompt starts from it), the shards' dtype, sampling, HellaSwag, the export follow it."""
+    """Named here alone: vocab rows, <|endoftext|>, shards, sampling, export all follow it."""
     import tiktoken  # here: importing this file does no work
     return tiktoken.get_encoding("gpt2")
 
@@ -245,11 +244,10 @@ class TokenStream:
 
 
 class DataLoader:
-    """(B, T) batches of windows of T + 1 tokens of a TokenStream (all shards as one): x =
-    window[:-1], y = window[1:], each position's next token. The place: `position` tokens read of
-    this `epoch`'s order (in order: from the start; shuffled: windows at multiples of T, their order
-    drawn from (seed, epoch)). Rank r of W reads the B windows from position + r*B*T; all move on
-    W*B*T: a count of tokens, it resumes at any world size, and in order at any T."""
+    """(B, T) batches of windows, T + 1 tokens of a TokenStream (all shards as one): x =
+    window[:-1], y = window[1:]. The place: `position` tokens read of this `epoch`'s order
+    (shuffled: windows at k*T in an order drawn from (seed, epoch)); rank r of W reads B windows
+    from position + r*B*T, all move on W*B*T: in tokens, it resumes at any world size or T."""
 
     def __init__(self, stream, batch_size, seq_len, rank, world_size, shuffle, seed):
         self.stream, self.batch_size, self.seq_len = stream, batch_size, seq_len
@@ -270,23 +268,16 @@ class DataLoader:
     def place(self, k: int) -> tuple[int, int]:
         """(epoch, position) of the k-th window from here: past this epoch's last, the next's."""
         T, left = self.seq_len, max(0, self.stream.num_tokens - 1 - self.position) // self.seq_len
-        if k < left:
-            return self.epoch, self.position + k * T
-        epochs, index = divmod(k - left, self.num_windows)
-        return self.epoch + 1 + epochs, index * T
+        epochs, i = divmod(k - left, self.num_windows)  # k >= left: windows into the next epochs
+        return (self.epoch, self.position + k * T) if k < left else (self.epoch + 1 + epochs, i * T)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         B, T = self.batch_size, self.seq_len
-        places = [self.place(k) for k in range(self.rank * B, self.rank * B + B)]
         starts = [int(self.window_order(epoch)[at // T]) * T if self.shuffle else at
-                  for epoch, at in places]
+                  for epoch, at in map(self.place, range(self.rank * B, self.rank * B + B))]
         windows = torch.from_numpy(np.stack([self.stream.read(at, T + 1) for at in starts]))
         self.epoch, self.position = self.place(self.world_size * B)
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()  # of (B, T + 1)
-
-
-def token_dtype(n_vocab: int):  # as fineweb.py writes shards
-    return np.uint16 if n_vocab <= 2**16 else np.uint32
 
 
 def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
@@ -574,8 +565,8 @@ class Run:
         return np.load(path, mmap_mode="r")
 
     def text_tokens(self, path) -> np.ndarray:
-        text, vocab = Path(path).read_text(encoding="utf-8"), tokenizer()
-        return np.array(vocab.encode_ordinary(text), dtype=token_dtype(vocab.n_vocab))
+        text = Path(path).read_text(encoding="utf-8")  # uint32: any tokenizer's ids
+        return np.array(tokenizer().encode_ordinary(text), dtype=np.uint32)
 
     def hellaswag(self) -> list[tuple]:  # this rank's share of the examples, in batches
         rank, world_size = self.launch.rank, self.launch.world_size
@@ -610,12 +601,11 @@ class Run:
             for optimizer in optimizers:
                 optimizer.consolidate_state_dict(to=0)  # each rank sends its share
         rng = gather(rng_states(self.cfg.device), self.launch)  # every rank's
-        return ({"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+        return {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
                 "optimizer": [optimizer.state_dict() for optimizer in optimizers], "rng": rng,
                 "scaler": scaler.state_dict(), "config": dataclasses.asdict(self.cfg),
                 "step": steps_done, "data_epoch": loader.epoch, "data_position": loader.position,
-                "train_tokens": loader.stream.num_tokens, "n_vocab": tokenizer().n_vocab}
-                if self.launch.rank == 0 else None)
+                "train_tokens": loader.stream.num_tokens} if self.launch.rank == 0 else None
 
     def write_checkpoint(self, state: dict | None, steps_done):
         if state is not None:
@@ -891,8 +881,7 @@ def generate(model: GPT, prompt_tokens: list[int], max_new_tokens: int, caches, 
     token runs alone (next_token: sample_next, or a compiled copy); None: every token rereads
     the whole context. An empty prompt starts from <|endoftext|>, as GPT-2's did."""
     model.eval()
-    device = model.lm_head.weight.device
-    vocab, block_size = tokenizer(), model.config.block_size
+    device, vocab, block_size = model.lm_head.weight.device, tokenizer(), model.config.block_size
     context = prompt_tokens or [vocab.eot_token]
     tokens = F.pad(torch.tensor(context, device=device), (0, max_new_tokens)).repeat(num_samples, 1)
     generator = torch.Generator(device=device).manual_seed(seed)  # training's RNG untouched
@@ -1373,7 +1362,7 @@ class CheckedRun(Run):
         except (ValueError, EOFError):  # no .npy header: numpy calls it "pickled data"
             raise RunError(f"cannot read shard {path}: it is not a .npy file (empty, cut short "
                            "or another format): delete it and rerun fineweb.py") from None
-        dtype = np.dtype(token_dtype(tokenizer().n_vocab))  # the one fineweb.py writes
+        dtype = np.dtype(np.uint16 if tokenizer().n_vocab <= 2**16 else np.uint32)  # fineweb.py's
         if tokens.dtype != dtype or tokens.ndim != 1 or len(tokens) < 1:
             raise RunError(f"shard {path} holds {tokens.dtype} of shape {tokens.shape}, not a "
                            f"1-D {dtype} array of tokens: rerun fineweb.py")
@@ -1582,7 +1571,8 @@ class CheckedRun(Run):
     def write_checkpoint(self, state, steps_done):
         path = os.path.join(self.cfg.log_dir, f"ckpt_{steps_done}.pt")
         on_every_rank(self.launch, lambda: state is not None and save_checkpoint(
-            path, {**state, "source": Path(__file__).read_text()}, self.cfg.keep_ckpts))
+            path, {**state, "source": Path(__file__).read_text(), "n_vocab": tokenizer().n_vocab},
+            self.cfg.keep_ckpts))
 
     def stopped(self, step, reason):
         self.info(f"stopped by {reason} after step {step}, checkpoint {self.cfg.log_dir}/ckpt_"
