@@ -49,7 +49,7 @@ def test_metrics_file_holds_every_record_and_a_summary(tmp_path):
                             "train_gpt2_sha256": t.file_sha256(t.__file__)}
     assert first["run"]["flags"] == dataclasses.asdict(dataclasses.replace(
         t.parse_args(TINY_ARGS + ["--max_steps", "6", "--eval_every", "3", "--eval_steps", "2", "--log_dir",
-                                  str(tmp_path / "log")]), dtype="float32", compile=False))
+                                  str(tmp_path / "log")]), dtype="float32", compile=False, vocab_size=50304))
     assert [r["step"] for r in result.records if "val_loss" in r] == [-1, 2, 5]  # -1: before training
     train_records = [r for r in result.records if "train_loss" in r]
     assert [r["step"] for r in train_records] == [0, 1, 2, 3, 4, 5]
