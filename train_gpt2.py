@@ -1922,17 +1922,24 @@ GENERATE_WARMUP_TOKENS = 3  # --generate's untimed first call
 
 
 def compiled_step(model: GPT, device) -> tuple:
-    """(caches, next_token) for generate(): sample_next compiled once."""
+    """(caches, next_token) for generate(): sample_next compiled once, whole (or else eager)."""
     if model not in COMPILED_STEPS:
         compiled = torch.compile(sample_next, fullgraph=True,
                                  mode="reduce-overhead" if device.startswith("cuda") else None)
 
         def next_token(model, idx, caches, positions, noise, temperature):
+            nonlocal compiled
             for cache in caches:  # the graph reads them in place
                 for tensor in (cache.keys, cache.values, cache.tokens):
                     torch._dynamo.mark_static_address(tensor, guard=False)
-            # a copy: the graph's next run overwrites its last output
-            return compiled(model, idx.clone(), caches, positions, noise, temperature)
+            try:  # on a copy: the graph's next run overwrites its last output
+                return compiled(model, idx.clone(), caches, positions, noise, temperature)
+            except (torch._dynamo.exc.TorchDynamoException,  # tracing failed, nothing ran: a branch
+                    torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode) as error:
+                print("--compile: sample_next cannot be compiled whole "  # on data, as in an MoE
+                      f"({str(error).splitlines()[0]}): generating eagerly", flush=True)
+                compiled = sample_next
+                return sample_next(model, idx, caches, positions, noise, temperature)
         COMPILED_STEPS[model] = (kv_caches(model), next_token)
     return COMPILED_STEPS[model]
 
