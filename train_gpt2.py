@@ -311,18 +311,17 @@ def init_distributed(launch: Launch, device: str):
     """Under torchrun, join the process group: gloo for CPU tensors, NCCL for CUDA's."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # no stray context on GPU 0
-    if launch.torchrun:
+    if launch.torchrun:  # first: imported later, their default arguments would hold the group
+        from torch.distributed import nn as _nn, optim as _optim  # noqa: F401 (see main()'s end)
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        # 20 minutes: outlasts rank 0 writing a checkpoint alone (minutes at gpt2-xl)
         dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size,
-                                timeout=datetime.timedelta(minutes=20))
+                                timeout=datetime.timedelta(minutes=20))  # outlasts a gpt2-xl save
 
 
 def all_reduce_mean(value: torch.Tensor, launch: Launch) -> torch.Tensor:
     """The mean over ranks: SUM, then divide (gloo's ReduceOp.AVG came late, with a bug)."""
     if launch.torchrun:
-        value = value.clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        dist.all_reduce(value := value.clone(), op=dist.ReduceOp.SUM)  # a copy: it sums in place
     return value / launch.world_size
 
 
@@ -652,7 +651,7 @@ class Run:
                   f"{step + 1}.pt written")
 
     def finish(self, start_step):
-        if self.owns_group:  # together: gloo may abort a rank that leaves alone (PyTorch #179291)
+        if self.owns_group:  # together, nothing else holding the group: see main()'s end
             dist.barrier()
             dist.destroy_process_group()
 
@@ -752,6 +751,7 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
         if stop or pause:  # the checkpoint was written: say how to go on
             run.stopped(step, "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}")
             break
+    del model  # DDP: freed after run.finish, it would end the group holding the GIL (#56297: hangs)
     run.finish(start_step)
     return TrainResult(raw_model, run.records)
 
@@ -948,7 +948,7 @@ class UnavailableError(RunError):
 @record  # torchrun's summary names the failing rank
 def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str:
     """Run cfg; under torchrun, all ranks check it together."""
-    launch, machine_cfg, notes = launch or launch_from_env(os.environ), cfg, []
+    launch, machine_cfg, notes, status = launch or launch_from_env(os.environ), cfg, [], 0
     try:
         if problem is None:
             check_config(cfg, launch.world_size)
@@ -972,9 +972,7 @@ def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str
     except RunError as error:  # on every rank: rank 0 says it
         if launch.rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
-        if launch.torchrun:
-            dist.destroy_process_group()
-        sys.exit(2)
+        status = 2
     except KeyboardInterrupt:  # a 2nd Ctrl-C while training, else the 1st
         if launch.rank == 0:
             print(interrupted_line(cfg), file=sys.stderr, flush=True)
@@ -983,9 +981,14 @@ def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str
         print(f"error: {out_of_memory_message(cfg, device, launch.world_size)}", file=sys.stderr,
               flush=True)
         sys.exit(2)
-    if launch.torchrun:  # together: PyTorch #179291
+    # every rank, a RunError's too (raised on all), leaves here, past the except (its traceback
+    # held train()'s DDP): the group, held by nothing else, ends gloo's threads now, the GIL
+    # released. Left running into Python's exit, one freeing a tensor aborts it (PyTorch #179291)
+    if launch.torchrun:
         dist.barrier()
         dist.destroy_process_group()
+    if status:
+        sys.exit(status)
     return result
 
 
@@ -1943,17 +1946,24 @@ GENERATE_WARMUP_TOKENS = 3  # --generate's untimed first call
 
 
 def compiled_step(model: GPT, device) -> tuple:
-    """(caches, next_token) for generate(): sample_next compiled once."""
+    """(caches, next_token) for generate(): sample_next compiled once, whole (or else eager)."""
     if model not in COMPILED_STEPS:
         compiled = torch.compile(sample_next, fullgraph=True,
                                  mode="reduce-overhead" if device.startswith("cuda") else None)
 
         def next_token(model, idx, caches, *args):  # args: positions, noise, temperature, n_vocab
+            nonlocal compiled
             for cache in caches:  # the graph reads them in place
                 for tensor in (cache.keys, cache.values, cache.tokens):
                     torch._dynamo.mark_static_address(tensor, guard=False)
-            # a copy: the graph's next run overwrites its last output
-            return compiled(model, idx.clone(), caches, *args)
+            try:  # on a copy: the graph's next run overwrites its last output
+                return compiled(model, idx.clone(), caches, *args)
+            except (torch._dynamo.exc.TorchDynamoException,  # tracing failed, nothing ran: a branch
+                    torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode) as error:
+                print("--compile: sample_next cannot be compiled whole "  # on data, as in an MoE
+                      f"({str(error).splitlines()[0]}): generating eagerly", flush=True)
+                compiled = sample_next
+                return sample_next(model, idx, caches, *args)
         COMPILED_STEPS[model] = (kv_caches(model), next_token)
     return COMPILED_STEPS[model]
 

@@ -15,10 +15,15 @@
     ddp_entry.py card NAME[:BUILD] FLAGS...    train on a machine of 2 of conftest.CARDS[NAME], as torch reports them
                                                (BUILD: a key of conftest.ARCH_LISTS, cu126 unless given; NAME,NAME:
                                                rank 0's card, rank 1's)
+    ddp_entry.py leaving COMMAND ARGS...       COMMAND ARGS as above, SIGTERM ignored (torchrun's, which ends the
+                                               ranks still exiting once one has exited non-zero, would hide their
+                                               status); then prints "rank R exits S, leaving gloo threads [...]": the
+                                               threads still running as Python exits, which gloo's end would have ended
 """
 
 import contextlib
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -140,8 +145,22 @@ def card(name, flags):
     train_gpt2.main(train_gpt2.parse_args(flags))
 
 
-if __name__ == "__main__":
-    command, args = sys.argv[1], sys.argv[2:]
+def leaving(command, args):
+    """What a rank leaves to Python's exit: a gloo thread that frees a tensor then aborts the process (PyTorch
+    #179291). Linux names each thread in /proc."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        run(command, args)
+        status = 0
+    except SystemExit as stop:
+        status = stop.code
+    names = [Path(f"/proc/self/task/{task}/comm").read_text().strip() for task in os.listdir("/proc/self/task")]
+    print(f"rank {os.environ['RANK']} exits {status}, leaving gloo threads {sorted(n for n in names if 'gloo' in n)}",
+          flush=True)
+    sys.exit(status)
+
+
+def run(command, args):
     if command == "train":
         train(args[0], args[1:])
     elif command == "fail":
@@ -158,5 +177,11 @@ if __name__ == "__main__":
         idle_parameter(args)
     elif command == "card":
         card(args[0], args[1:])
+    elif command == "leaving":
+        leaving(args[0], args[1:])
     else:
         grad_sync(args[0])
+
+
+if __name__ == "__main__":
+    run(sys.argv[1], sys.argv[2:])

@@ -538,6 +538,22 @@ def test_sigterm_to_torchrun_checkpoints_once_and_every_rank_exits_cleanly(tmp_p
     assert "exitcode  : 1" not in err and "Traceback (most recent call last):\n  File \"" + str(ROOT) not in err
 
 
+def test_sigterm_to_every_worker_checkpoints_once_and_every_rank_exits_0(tmp_path):
+    """As a scheduler that signals each process of the job: torchrun exits 0 only if every worker did, none aborted
+    as it exited (gloo's threads, PyTorch #179291: -6)."""
+    args = TINY_ARGS + ["--max_steps", "100000", "--ckpt_every", "0", "--log_dir", str(tmp_path)]
+    process = start_training(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                              "train_gpt2.py"] + args)
+    wait_for_line(process, "step     2/100000")
+    workers = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()  # Linux
+    for pid in workers:
+        os.kill(int(pid), signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert (len(workers), process.returncode) == (2, 0), err
+    assert out.count("stopped by a signal") == 1 and err.count(f"SIGTERM: {ANSWERED}\n") == 1, out + err
+    assert len(list(tmp_path.glob("ckpt_*.pt"))) == 1
+
+
 def not_a_checkpoint(tmp_path, kind):
     path = tmp_path / f"{kind}.pt"
     if kind == "dict":

@@ -564,6 +564,40 @@ def test_compiled_generations_of_any_length_share_one_graph_and_one_cache():
     assert ([c.keys.data_ptr() for c in caches], [c.values.data_ptr() for c in caches]) == (keys, values)
 
 
+def test_generate_compile_of_a_model_compile_cannot_capture_whole_generates_eagerly_saying_why(tmp_path, monkeypatch,
+                                                                                                capsys):
+    """A mixture of experts skips an expert no token was routed to: `if rows.numel():`, a branch on the data, which
+    sample_next compiled whole (fullgraph=True) cannot hold: --generate --compile ended in a GuardOnDataDependentSymNode
+    traceback. It generates eagerly instead, the tokens of a run without --compile, after one line."""
+    plain_mlp = t.MLP
+
+    class RoutedMLP(torch.nn.Module):  # 2 of the recipe's MLPs; each token goes to the one its gate scores highest
+        def __init__(self, config):
+            super().__init__()
+            self.gate = torch.nn.Linear(config.n_embd, 2)
+            self.experts = torch.nn.ModuleList([plain_mlp(config), plain_mlp(config)])
+
+        def forward(self, x):  # (B, T, C)
+            choice, out = self.gate(x).argmax(dim=-1), torch.zeros_like(x)
+            for i, expert in enumerate(self.experts):
+                rows = x[choice == i]  # (tokens routed to expert i, C)
+                if rows.numel():
+                    out[choice == i] = expert(rows)
+            return out
+
+    monkeypatch.setattr(t, "MLP", RoutedMLP)
+    args = ["--generate", "--device", "cpu", "--n_layer", "2", "--n_head", "2", "--n_embd", "32", "--block_size",
+            "64", "--num_samples", "2", "--max_new_tokens", "8", "--log_dir", str(tmp_path / "log")]
+    eager = t.main(t.parse_args(args))
+    capsys.readouterr()
+    torch._dynamo.reset()
+    compiled = t.main(t.parse_args(args + ["--compile"]))
+    lines = capsys.readouterr().out.splitlines()
+    [said] = [line for line in lines if line.startswith("--compile")]
+    assert said.startswith("--compile: sample_next cannot be compiled whole (Could not guard on data-dependent "
+                           "expression ") and said.endswith("): generating eagerly"), said
+    assert compiled == eager and len(eager) == 2 and "compile on" in lines[-1], lines
+
 def test_generation_casts_each_weight_once_under_autocast_not_once_a_token():
     """autocast drops its cast weights when its context is left: entered per token, it cast every Linear weight
     again for each token."""

@@ -841,7 +841,7 @@ def test_end_to_end_train_on_the_shards_one_and_two_processes(corpus_shards, one
     train_losses, val_losses = losses(tmp_path / "one")
     assert train_losses[-1] < train_losses[0] - 1.5, train_losses  # measured: 10.81 -> 4.57
     assert val_losses[1] < train_losses[0] - 1.0, val_losses  # measured: 4.55 (val_losses[0]: before training)
-    double = torchrun(2, ["train_gpt2.py"] + shard_training_args(out_dir, tmp_path / "two"))  # reruns an abort at exit
+    double = torchrun(2, ["train_gpt2.py"] + shard_training_args(out_dir, tmp_path / "two"))
     assert double.returncode == 0, double.stderr
     assert losses(tmp_path / "two") == (train_losses, val_losses)  # 2 ranks x 1 micro-step = 1 x 2, exactly
 

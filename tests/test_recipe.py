@@ -57,8 +57,7 @@ def numbers(output):
 
 
 def run_recipe(folder, *configs, processes=1):
-    """The recipe's output for each config, run one after another by one process (or under torchrun, which launches
-    once more where gloo aborted a rank at exit, its work done)."""
+    """The recipe's output for each config, run one after another by one process (or by each rank under torchrun)."""
     args = [str(folder / "driver.py")] + [json.dumps(config) for config in configs]  # it imports the recipe beside it
     result = torchrun(processes, args, timeout=300) if processes > 1 else run_python(args, {"OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
@@ -111,8 +110,8 @@ def test_the_recipe_alone_under_torchrun_on_2_processes_gives_the_losses_of_1(al
 
 
 def test_the_recipe_leaves_its_process_group_after_a_barrier(monkeypatch):
-    """Its Run destroyed the group at once: under torchrun a rank that left first made gloo abort another at exit
-    (PyTorch #179291), failing the 2-process launch above in CI. main() had waited at a barrier already."""
+    """Under torchrun the recipe's Run leaves the group as main() does: all ranks together (a barrier), then
+    destroy_process_group."""
     import torch.distributed as dist
 
     import train_gpt2 as t
