@@ -664,10 +664,11 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
     inputs = run.read_inputs()
     raw_model = build_model(cfg, inputs.model_config, inputs.weights, device)
     # model trains; raw_model is saved, sampled, scored. Compiled: fused kernels, fewer trips to
-    # memory. DDP: each process a copy; gradients averaged over processes during backward
+    # memory. DDP: each process a copy; gradients averaged over processes during backward, a
+    # parameter that one process's batch skipped (an idle MoE expert) as 0: find_unused_parameters
     model = torch.compile(raw_model) if cfg.compile else raw_model
     if launch.torchrun:
-        model = DDP(model, gradient_as_bucket_view=True)
+        model = DDP(model, gradient_as_bucket_view=True, find_unused_parameters=True)
 
     B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
     train_loader = DataLoader(inputs.train_tokens, batch_size=B, seq_len=T, rank=launch.rank,

@@ -70,6 +70,48 @@ def pytest_addoption(parser):
                      help="moved_gpt2: the tests run with conftest's moved_gpt2() in place of train_gpt2's tokenizer")
 
 
+def hash_routed_gpt(n_experts=8):
+    """train_gpt2.GPT with each block's MLP a mixture of n_experts of them, top-1 routed by hash (Roller et al. 2021,
+    "Hash Layers For Large Sparse Models"): token id % n_experts picks a token's expert. An expert that no token of a
+    batch picks is skipped, so its parameters get no gradient from that batch, as top-1 routing leaves them."""
+    import train_gpt2
+
+    class HashRoutedMLP(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(train_gpt2.MLP(config) for _ in range(n_experts))
+            self.tokens = None  # (B, T): the block's, set before each call
+
+        def forward(self, x):  # (B, T, C)
+            y, expert_of = torch.zeros_like(x), self.tokens % n_experts
+            for i, expert in enumerate(self.experts):
+                if (picked := expert_of == i).any():  # (B, T)
+                    y[picked] = expert(x[picked])  # (tokens picked, C)
+            return y
+
+    class HashRoutedBlock(train_gpt2.Block):
+        def __init__(self, config):
+            super().__init__(config)
+            self.mlp = HashRoutedMLP(config)
+
+        def forward(self, x, positions, tokens, cache=None):
+            self.mlp.tokens = tokens
+            return super().forward(x, positions, tokens, cache)
+
+    class HashRoutedGPT(train_gpt2.GPT):
+        def __init__(self, config, *args, **kwargs):
+            super().__init__(config, *args, **kwargs)
+            self.transformer.h = torch.nn.ModuleList(HashRoutedBlock(config) for _ in range(config.n_layer))
+            self.reset_parameters()
+
+    return HashRoutedGPT
+
+
+def idle_experts(tokens, n_experts=8):
+    """The experts of hash_routed_gpt that no token of tokens (a batch) picks."""
+    return set(range(n_experts)) - set((tokens % n_experts).flatten().tolist())
+
+
 def pytest_configure(config):
     # `pytest -m "not recipe" tests/test_model.py` after an edit to the model: the invariants alone
     config.addinivalue_line("markers", "recipe: pins GPT-2's published numbers (sizes, init, learning rates)")

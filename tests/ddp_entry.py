@@ -10,6 +10,8 @@
                                                rank's own files, as on machines with their own disks
     ddp_entry.py nan_loss RANK STEP FLAGS...   train, with rank RANK's loss turning NaN at step STEP (one
                                                micro-step a step)
+    ddp_entry.py hash_routed OUT FLAGS...      train as `train` does, a GPT whose MLPs are mixtures of experts
+                                               (conftest.hash_routed_gpt): an expert some batches skip
     ddp_entry.py grad_sync OUT                 train()'s first accumulated step both ways; rank 0 saves both
                                                gradients
     ddp_entry.py card NAME[:BUILD] FLAGS...    train on a machine of 2 of conftest.CARDS[NAME], as torch reports them
@@ -175,6 +177,11 @@ def run(command, args):
         nan_loss(args[0], int(args[1]), args[2:])
     elif command == "idle_parameter":
         idle_parameter(args)
+    elif command == "hash_routed":
+        from conftest import hash_routed_gpt
+
+        train_gpt2.GPT = hash_routed_gpt()
+        train(args[0], args[1:])
     elif command == "card":
         card(args[0], args[1:])
     elif command == "leaving":

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import train_gpt2 as t
-from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, run_python, single_thread
+from conftest import (checked_run, hash_routed_gpt, idle_experts, ROOT, SHAKESPEARE, TINY_ARGS, run_python,
+                      single_thread)
 
 ENTRY = "tests/ddp_entry.py"
 # Thread count changes float results; torchrun sets 1 thread for several processes, so pin it everywhere.
@@ -297,6 +298,34 @@ def test_a_parameter_with_no_gradient_under_ddp_is_one_line_on_every_rank_before
         result, "error: transformer.h.0.attn.value_gain got no gradient: use it in forward, or set its requires_grad "
                 "to False (DDP waits for a gradient from each)")
     assert " | loss " not in result.stdout and "exitcode  : 2" in result.stderr.split("Root Cause")[1]
+
+
+def test_an_expert_that_some_batches_skip_trains_under_torchrun_as_in_one_process(tmp_path, one_thread, monkeypatch):
+    """Each block's MLP a mixture of 8 experts, each token routed to one (conftest.hash_routed_gpt): an expert that no
+    token of a rank's batch picks gets no gradient there. 2 ranks x 1 micro-step of 16 tokens vs 1 process x 2, the
+    same tokens (bitwise equal: RELIABILITY.md). DDP waited for the idle expert's gradient: rank 0 stopped alone at
+    step 0 (a first-step check of one rank's gradients), rank 1 in gloo's traceback; without that check the ranks'
+    all-reduces crossed (gloo aborted here; issue 69's MoE logged a wrong gradient norm, then died in DDP's
+    "Expected to have finished reduction in the prior iteration")."""
+    steps, flags = 8, TINY_ARGS + ["--seq_len", "16", "--micro_batch_size", "1", "--total_batch_size", "32"]
+    flags += ["--max_steps", str(steps), "--ckpt_every", str(steps)]
+    train_tokens = checked_run(text_file=str(SHAKESPEARE)).token_streams()[0]
+    loaders = [t.DataLoader(train_tokens, 1, 16, rank, 2, shuffle=False, seed=0) for rank in (0, 1)]
+    idle = [[idle_experts(loader.next_batch()[0]) for loader in loaders] for _ in range(steps)]  # each step's, a rank
+    assert idle[0] == [{7}, set()]  # expert 7 idle on rank 0 at step 0, used on rank 1
+    assert idle[4] == [{4, 7}, {0, 4}]  # and expert 4 on both at step 4: its gradient is None, AdamW skips it
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        [two] = in_background(pool, (torchrun, 2, [ENTRY, "hash_routed", str(tmp_path / "two.pt")] + flags +
+                                     ["--log_dir", str(tmp_path / "two")]))
+        monkeypatch.setattr(t, "GPT", hash_routed_gpt())
+        one = t.main(t.parse_args(flags + ["--log_dir", str(tmp_path / "one")])).model.state_dict()
+        two = two.result()
+    assert two.returncode == 0, two.stderr
+    for key in ("train_loss", "grad_norm"):
+        expected = [r[key] for r in records(tmp_path / "one") if key in r]
+        assert len(expected) == steps and [r[key] for r in records(tmp_path / "two") if key in r] == expected, key
+    two_params = torch.load(tmp_path / "two.pt")
+    assert all(torch.equal(value, two_params[name]) for name, value in one.items())
 
 
 def test_a_rank_that_runs_out_of_memory_says_so_in_one_line_and_ends_every_rank(tmp_path):
