@@ -664,8 +664,7 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
     inputs = run.read_inputs()
     raw_model = build_model(cfg, inputs.model_config, inputs.weights, device)
     # model trains; raw_model is saved, sampled, scored. Compiled: fused kernels, fewer trips to
-    # memory. DDP: each process a copy; gradients averaged over processes during backward, a
-    # parameter that one process's batch skipped (an idle MoE expert) as 0: find_unused_parameters
+    # memory. DDP: a copy a process; gradients averaged in backward (one a batch skipped: as 0)
     model = torch.compile(raw_model) if cfg.compile else raw_model
     if launch.torchrun:
         model = DDP(model, gradient_as_bucket_view=True, find_unused_parameters=True)
