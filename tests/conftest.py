@@ -130,6 +130,34 @@ def named(name):
     return lambda message: f"{name}: {message}"
 
 
+class Seen:
+    """module as its own code reads it, with the attributes given replaced: type(module).forward(Seen(module,
+    c_attn=...), ...) runs a hacker's forward on a test's change, composed around it, its text untouched."""
+
+    def __init__(self, module, **replaced):
+        self.seen_module, self.replaced = module, replaced
+
+    def __getattr__(self, name):  # all but seen_module and replaced: the module's own, or its replacement
+        return self.replaced[name] if name in self.replaced else getattr(self.seen_module, name)
+
+
+def queries_keys_values(qkv, n_embd):
+    """Attention's c_attn output (..., n_embd + 2 width) as queries (..., n_embd), keys and values (..., width):
+    width is n_embd in GPT-2, less where the keys and values have fewer heads (multi-query, grouped attention)."""
+    q, kv = qkv.split([n_embd, qkv.size(-1) - n_embd], dim=-1)
+    return (q, *kv.chunk(2, dim=-1))
+
+
+def turning(c_attn, head_dim, turn):
+    """c_attn with its queries and keys turned by turn(q, k), each (B, heads, T, head_dim), on the way out."""
+    def turned(x):
+        B, T, C = x.shape
+        q, k, v = queries_keys_values(c_attn(x), C)
+        q, k = turn(*(z.view(B, T, -1, head_dim).transpose(1, 2) for z in (q, k)))
+        return torch.cat([z.transpose(1, 2).reshape(B, T, -1) for z in (q, k)] + [v], dim=-1)
+    return turned
+
+
 def run_python(args, env=None, timeout=300, max_file_bytes=None):
     """Run `python ARGS` in the project root, as a user would from a shell. With max_file_bytes, its writes past
     that size in any file fail as the kernel fails them (files_limited_to)."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train_gpt2 as t
-from conftest import ROOT, report_card
+from conftest import ROOT, Seen, report_card, turning
 from test_cli import error_line_in_process
 from test_ddp import torchrun
 
@@ -66,23 +66,10 @@ def worked_change_attention(namespace):
     exec(function + f"def turn(q, k, positions):\n    {line.strip()}\n    return q, k\n", namespace)
     turn, plain = namespace["turn"], t.CausalSelfAttention
 
-    class Turning:  # an attention as its forward reads it, its c_attn turning q and k by positions
-        def __init__(self, attention, positions):
-            self.attention, self.positions = attention, positions
-
-        def __getattr__(self, name):
-            return getattr(self.attention, name)
-
-        def c_attn(self, x):
-            B, T, C = x.shape
-            q, k, v = self.attention.c_attn(x).split(C, dim=2)
-            heads = (z.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for z in (q, k))
-            q, k = turn(*heads, self.positions)
-            return torch.cat([z.transpose(1, 2).reshape(B, T, C) for z in (q, k)] + [v], dim=2)
-
     class RotaryAttention(plain):
         def forward(self, x, positions, *args, **kwargs):
-            return plain.forward(Turning(self, positions), x, positions, *args, **kwargs)
+            c_attn = turning(self.c_attn, x.size(-1) // self.n_head, lambda q, k: turn(q, k, positions))
+            return plain.forward(Seen(self, c_attn=c_attn), x, positions, *args, **kwargs)
 
     return RotaryAttention
 
