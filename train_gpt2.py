@@ -972,6 +972,8 @@ def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str
     except RunError as error:  # on every rank: rank 0 says it
         if launch.rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
+        if launch.torchrun:  # torchrun's SIGTERM, once a rank has exited 2, ended the others -15
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         status = 2
     except KeyboardInterrupt:  # a 2nd Ctrl-C while training, else the 1st
         if launch.rank == 0:
@@ -981,9 +983,8 @@ def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str
         print(f"error: {out_of_memory_message(cfg, device, launch.world_size)}", file=sys.stderr,
               flush=True)
         sys.exit(2)
-    # every rank, a RunError's too (raised on all), leaves here, past the except (its traceback
-    # held train()'s DDP): the group, held by nothing else, ends gloo's threads now, the GIL
-    # released. Left running into Python's exit, one freeing a tensor aborts it (PyTorch #179291)
+    # all leave here, a RunError (raised on all) past its except, whose traceback held DDP: held by
+    # nothing else, the group ends gloo's threads now; one left to Python's exit aborts it (#179291)
     if launch.torchrun:
         dist.barrier()
         dist.destroy_process_group()
@@ -1958,9 +1959,9 @@ def compiled_step(model: GPT, device) -> tuple:
                     torch._dynamo.mark_static_address(tensor, guard=False)
             try:  # on a copy: the graph's next run overwrites its last output
                 return compiled(model, idx.clone(), caches, *args)
-            except (torch._dynamo.exc.TorchDynamoException,  # tracing failed, nothing ran: a branch
+            except (torch._dynamo.exc.TorchDynamoException,  # raised tracing: nothing has run
                     torch.fx.experimental.symbolic_shapes.GuardOnDataDependentSymNode) as error:
-                print("--compile: sample_next cannot be compiled whole "  # on data, as in an MoE
+                print("--compile: sample_next cannot be compiled whole "  # a branch on data (MoE)
                       f"({str(error).splitlines()[0]}): generating eagerly", flush=True)
                 compiled = sample_next
                 return sample_next(model, idx, caches, *args)

@@ -17,15 +17,12 @@
     ddp_entry.py card NAME[:BUILD] FLAGS...    train on a machine of 2 of conftest.CARDS[NAME], as torch reports them
                                                (BUILD: a key of conftest.ARCH_LISTS, cu126 unless given; NAME,NAME:
                                                rank 0's card, rank 1's)
-    ddp_entry.py leaving COMMAND ARGS...       COMMAND ARGS as above, SIGTERM ignored (torchrun's, which ends the
-                                               ranks still exiting once one has exited non-zero, would hide their
-                                               status); then prints "rank R exits S, leaving gloo threads [...]": the
-                                               threads still running as Python exits, which gloo's end would have ended
+    ddp_entry.py leaving COMMAND ARGS...       COMMAND ARGS as above, then prints "rank R exits S, leaving gloo threads
+                                               [...]": those still running as Python exits (the group's end ends them)
 """
 
 import contextlib
 import os
-import signal
 import sys
 from pathlib import Path
 
@@ -150,7 +147,6 @@ def card(name, flags):
 def leaving(command, args):
     """What a rank leaves to Python's exit: a gloo thread that frees a tensor then aborts the process (PyTorch
     #179291). Linux names each thread in /proc."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         run(command, args)
         status = 0
