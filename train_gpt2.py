@@ -711,10 +711,6 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
                 micro_loss = micro_loss / accum_steps
                 scaler.scale(micro_loss).backward()  # float16: scaled so that none round to 0
             loss += micro_loss.detach()
-        if step == start_step and (idle := [name for name, p in raw_model.named_parameters()
-                                             if p.requires_grad and p.grad is None]):
-            raise RunError(f"{', '.join(idle)} got no gradient: use it in forward, or set its "
-                           "requires_grad to False (DDP waits for a gradient from each)")
         loss = all_reduce_mean(loss, launch)  # DDP averaged the gradients; this, the logged loss
         for optimizer in optimizers:  # AdamW, and Muon with --optimizer muon
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
@@ -1503,6 +1499,7 @@ class CheckedRun(Run):
 
     def start(self, model, accum_steps, loader):
         cfg, W, params = self.cfg, self.launch.world_size, count_parameters(model)
+        self.model = model  # check_gradients reads its gradients
         self.flops_per_step = cfg.total_batch_size * flops_per_token(model.config, params,
                                                                      cfg.seq_len)
         self.epoch = loader.epoch
@@ -1534,11 +1531,23 @@ class CheckedRun(Run):
 
     def log_step(self, step, loss, lr, grad_norm, ms, loader):
         super().log_step(step, loss, lr, grad_norm, ms, loader)
+        if self.inputs.checkpoint is None and step < NO_GRADIENT_STEPS:  # a new run's first steps
+            self.check_gradients(step)
         if loader.epoch > self.epoch:
             self.epoch = loader.epoch
             self.log({"step": step, "epoch": loader.epoch}, f"step {step:5d}/{self.cfg.max_steps} "
                      f"| epoch {loader.epoch} begins: all {loader.num_windows:,} training windows "
                      f"were used, starting again{' in a new order' if loader.shuffle else ''}")
+
+    def check_gradients(self, step):  # one line names a parameter no rank's batches used
+        named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        got = np.array([p.grad is not None for _, p in named])  # in this step, on this rank
+        self.got_gradient = got | self.got_gradient if step else got
+        if step + 1 == min(NO_GRADIENT_STEPS, self.cfg.max_steps):
+            on_any_rank = np.any(gather(self.got_gradient, self.launch), axis=0)
+            if idle := [name for (name, _), got in zip(named, on_any_rank, strict=True) if not got]:
+                raise RunError(f"{', '.join(idle)} got no gradient in this run's first {step + 1} "
+                               "steps: use it in forward, or set its requires_grad to False")
 
     def diverged(self, step, loss, grad_norm):
         saved = checkpoint_paths(self.cfg.log_dir)
@@ -1595,6 +1604,11 @@ class CheckedRun(Run):
                                                      cfg.peak_tflops, self.launch.world_size)
             line += f"; MFU {100 * summary['mfu']:.1f}% of {cfg.peak_tflops:g} TFLOP/s"
         self.log({"summary": summary}, line)
+
+
+# A new run's first steps (all, if fewer): a parameter some batches skip (an MoE's expert, a gate)
+# gets a gradient in them on some rank. Not after a resume: an expert may idle a while, by design
+NO_GRADIENT_STEPS = 10
 
 
 def flops_per_token(model_config: GPTConfig, num_params, seq_len):
