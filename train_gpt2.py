@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import datetime
 import functools
-import glob
 import json
 import math
 import os
@@ -497,6 +496,12 @@ def build_model(cfg: TrainConfig, model_config: GPTConfig, weights: dict | None,
     return model
 
 
+def weights_to_score(model: GPT, scored: GPT | None = None) -> GPT:
+    """The weights that validation, HellaSwag, samples and the run modes (checkpoints' "model")
+    score: model's. An EMA returns a copy (scored None: before step 0) that it moves each step."""
+    return model
+
+
 def rng_states(device):
     """torch's generators; on CUDA this GPU's only (a new machine may have fewer)."""
     return {"torch_cpu": torch.get_rng_state(),
@@ -577,9 +582,10 @@ class Run:
         lines = Path(self.cfg.hellaswag_path).read_text(encoding="utf-8").splitlines()
         return [json.loads(line) for line in lines]
 
-    def restore(self, checkpoint, model, optimizers, scaler, loader) -> int:
+    def restore(self, checkpoint, model, scored, optimizers, scaler, loader) -> int:
         """Go on exactly: weights, optimizer state, data position, this rank's RNG; its step."""
-        model.load_state_dict(checkpoint["model"])
+        scored.load_state_dict(checkpoint["model"])  # the weights scored (weights_to_score), and
+        model.load_state_dict(checkpoint.get("trained_model", checkpoint["model"]))  # the trained
         for optimizer, state in zip(optimizers, checkpoint["optimizer"], strict=True):
             # its moments, under this run's group settings (--weight_decay, betas), not the saved
             groups = zip(state["param_groups"], optimizer.param_groups, strict=False)
@@ -594,13 +600,14 @@ class Run:
                   f"{loader.epoch})")
         return checkpoint["step"]
 
-    def checkpoint_state(self, model, optimizers, scaler, loader, steps_done) -> dict | None:
+    def checkpoint_state(self, model, scored, optimizers, scaler, loader, steps_done):
         """What a checkpoint holds, on rank 0 (None elsewhere): enough to go on exactly."""
         if self.cfg.shard_optimizer and self.launch.world_size > 1:
             for optimizer in optimizers:
                 optimizer.consolidate_state_dict(to=0)  # each rank sends its share
         rng = gather(rng_states(self.cfg.device), self.launch)  # every rank's
-        return {"model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+        return {"model": scored.state_dict(), "trained_model": model.state_dict(),
+                "model_config": dataclasses.asdict(model.config),  # (the same weights: saved once)
                 "optimizer": [optimizer.state_dict() for optimizer in optimizers], "rng": rng,
                 "scaler": scaler.state_dict(), "config": dataclasses.asdict(self.cfg),
                 "step": steps_done, "data_epoch": loader.epoch, "data_position": loader.position,
@@ -663,8 +670,9 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
     cfg, launch, device = run.cfg, run.launch, run.cfg.device
     inputs = run.read_inputs()
     raw_model = build_model(cfg, inputs.model_config, inputs.weights, device)
-    # model trains; raw_model is saved, sampled, scored. Compiled: fused kernels, fewer trips to
-    # memory. DDP: a copy a process; gradients averaged in backward (one a batch skipped: as 0)
+    scored = weights_to_score(raw_model)  # what is validated, sampled, saved as "model": see there
+    # model trains. Compiled: fused kernels, fewer trips to memory. DDP: a copy a process;
+    # gradients averaged in backward (one a batch skipped, an idle MoE expert: as 0)
     model = torch.compile(raw_model) if cfg.compile else raw_model
     if launch.torchrun:
         model = DDP(model, gradient_as_bucket_view=True, find_unused_parameters=True)
@@ -681,16 +689,16 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
     # float16's narrow range: small gradients underflow unless the loss is scaled; bfloat16's not
     scaler = torch.amp.GradScaler(device.split(":")[0], enabled=cfg.dtype == "float16")
     torch.manual_seed(cfg.seed + launch.rank)  # dropout: each rank its own masks
-    start_step = (run.restore(inputs.checkpoint, raw_model, optimizers, scaler, train_loader)
-                  if inputs.checkpoint else 0)
+    start_step = (run.restore(inputs.checkpoint, raw_model, scored, optimizers, scaler,
+                              train_loader) if inputs.checkpoint else 0)
     autocast, accum_steps = autocast_for(cfg.dtype, device), grad_accum_steps(cfg, W)
     run.start(raw_model, accum_steps, train_loader)
     if start_step == 0:  # a new run: the val loss before training is the curve's first point
         if cfg.eval_every:
             run.log_scores(-1, {"val_loss": estimate_val_loss(
-                raw_model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
+                scored, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
         if cfg.hellaswag_every:  # a batch, unlogged: a broken edit fails before step 0
-            evaluate_hellaswag(raw_model, inputs.hellaswag[:1], device, autocast, launch)
+            evaluate_hellaswag(scored, inputs.hellaswag[:1], device, autocast, launch)
     check_paths_agree(raw_model, device)  # training's logits are the cache's: an edit reached both
 
     for step in range(start_step, cfg.max_steps):
@@ -709,10 +717,6 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
                 micro_loss = micro_loss / accum_steps
                 scaler.scale(micro_loss).backward()  # float16: scaled so that none round to 0
             loss += micro_loss.detach()
-        if step == start_step and (idle := [name for name, p in raw_model.named_parameters()
-                                             if p.requires_grad and p.grad is None]):
-            raise RunError(f"{', '.join(idle)} got no gradient: use it in forward, or set its "
-                           "requires_grad to False (DDP waits for a gradient from each)")
         loss = all_reduce_mean(loss, launch)  # DDP averaged the gradients; this, the logged loss
         for optimizer in optimizers:  # AdamW, and Muon with --optimizer muon
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
@@ -724,6 +728,7 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
                 group["lr"] = lr * group.get("lr_ratio", 1.0)
             scaler.step(optimizer)
         scaler.update()
+        scored = weights_to_score(raw_model, scored)  # an EMA moves toward the new weights
         loss, grad_norm = loss.item(), grad_norm.item()  # the step's one wait for the device
         run.log_step(step, loss, lr, grad_norm, (time.perf_counter() - started) * 1000,
                      train_loader)
@@ -736,18 +741,17 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
         steps_done, last_step = step + 1, step + 1 == cfg.max_steps
         if is_due(cfg.eval_every, steps_done, last_step):
             run.log_scores(step, {"val_loss": estimate_val_loss(
-                raw_model, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
+                scored, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
         if is_due(cfg.hellaswag_every, steps_done, last_step):
-            run.log_scores(step, evaluate_hellaswag(raw_model, inputs.hellaswag, device, autocast,
+            run.log_scores(step, evaluate_hellaswag(scored, inputs.hellaswag, device, autocast,
                                                     launch))
         stop = run.stop_requested()  # a signal to any rank stops all (the machinery's)
         pause = steps_done - start_step == cfg.stop_after_steps and not last_step  # the job's end
         if stop or pause or is_due(cfg.ckpt_every, steps_done, last_step):
-            run.write_checkpoint(run.checkpoint_state(raw_model, optimizers, scaler, train_loader,
-                                                      steps_done), steps_done)
+            run.write_checkpoint(run.checkpoint_state(raw_model, scored, optimizers, scaler,
+                                                      train_loader, steps_done), steps_done)
         if launch.rank == 0 and is_due(cfg.sample_every, steps_done, last_step):
-            print_samples(raw_model, inputs.tokenizer, cfg, autocast,
-                          kv_caches(raw_model, cfg.kv_cache))
+            print_samples(scored, inputs.tokenizer, cfg, autocast, kv_caches(scored, cfg.kv_cache))
         if stop or pause:  # the checkpoint was written: say how to go on
             run.stopped(step, "a signal" if stop else f"--stop_after_steps {cfg.stop_after_steps}")
             break
@@ -918,6 +922,7 @@ def print_samples(model: GPT, tokenizer, cfg, autocast, caches, next_token=sampl
 # ruff: noqa: E402 (the machinery's own imports)
 import argparse
 import difflib
+import glob
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -1425,7 +1430,7 @@ class CheckedRun(Run):
             raise RunError(f"{path} holds no HellaSwag records: give hellaswag_val.jsonl's path")
         return examples
 
-    def restore(self, checkpoint, model, optimizers, scaler, loader):
+    def restore(self, checkpoint, model, scored, optimizers, scaler, loader):
         cfg, saved, step = self.cfg, checkpoint["config"], checkpoint["step"]
         if "windows_consumed" in checkpoint:  # written before the place was counted in tokens
             T, windows = saved["seq_len"], checkpoint["windows_consumed"]
@@ -1451,7 +1456,7 @@ class CheckedRun(Run):
                 self.info(f"warning: the optimizer and schedule differ from the checkpoint's "
                           f"({flags})" + (f": at step {step} the learning rate goes on at "
                           f"{rate:.4e} instead of {saved_rate:.4e}" if rate != saved_rate else ""))
-        return super().restore(checkpoint, model, optimizers, scaler, loader)
+        return super().restore(checkpoint, model, scored, optimizers, scaler, loader)
 
     # ---- the log: metrics.jsonl, and TensorBoard's events beside it
     def open_log(self, checkpoint):
@@ -1522,6 +1527,7 @@ class CheckedRun(Run):
 
     def start(self, model, accum_steps, loader):
         cfg, W, params = self.cfg, self.launch.world_size, count_parameters(model)
+        self.model = model  # check_gradients reads its gradients
         self.flops_per_step = cfg.total_batch_size * flops_per_token(model.config, params,
                                                                      cfg.seq_len)
         self.epoch = loader.epoch
@@ -1554,11 +1560,23 @@ class CheckedRun(Run):
 
     def log_step(self, step, loss, lr, grad_norm, ms, loader):
         super().log_step(step, loss, lr, grad_norm, ms, loader)
+        if self.inputs.checkpoint is None and step < NO_GRADIENT_STEPS:  # a new run's first steps
+            self.check_gradients(step)
         if loader.epoch > self.epoch:
             self.epoch = loader.epoch
             self.log({"step": step, "epoch": loader.epoch}, f"step {step:5d}/{self.cfg.max_steps} "
                      f"| epoch {loader.epoch} begins: all {loader.num_windows:,} training windows "
                      f"were used, starting again{' in a new order' if loader.shuffle else ''}")
+
+    def check_gradients(self, step):  # one line names a parameter no rank's batches used
+        named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        got = np.array([p.grad is not None for _, p in named])  # in this step, on this rank
+        self.got_gradient = got | self.got_gradient if step else got
+        if step + 1 == min(NO_GRADIENT_STEPS, self.cfg.max_steps):
+            on_any_rank = np.any(gather(self.got_gradient, self.launch), axis=0)
+            if idle := [name for (name, _), got in zip(named, on_any_rank, strict=True) if not got]:
+                raise RunError(f"{', '.join(idle)} got no gradient in this run's first {step + 1} "
+                               "steps: use it in forward, or set its requires_grad to False")
 
     def diverged(self, step, loss, grad_norm):
         saved = checkpoint_paths(self.cfg.log_dir)
@@ -1616,6 +1634,11 @@ class CheckedRun(Run):
                                                      cfg.peak_tflops, self.launch.world_size)
             line += f"; MFU {100 * summary['mfu']:.1f}% of {cfg.peak_tflops:g} TFLOP/s"
         self.log({"summary": summary}, line)
+
+
+# A new run's first steps (all, if fewer): a parameter some batches skip (an MoE's expert, a gate)
+# gets a gradient in them on some rank. Not after a resume: an expert may idle a while, by design
+NO_GRADIENT_STEPS = 10
 
 
 def flops_per_token(model_config: GPTConfig, num_params, seq_len):

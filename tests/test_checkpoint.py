@@ -233,8 +233,11 @@ def test_resuming_with_the_other_optimizer_is_refused_naming_the_flag(two_checkp
 def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):
     run(["--max_steps", "3", "--warmup_steps", "1"], tmp_path)
     checkpoint = torch.load(tmp_path / "ckpt_3.pt", weights_only=True)  # the safe loader reads it
-    assert set(checkpoint) == {"model", "model_config", "optimizer", "scaler", "step", "config", "data_epoch",
-                               "data_position", "train_tokens", "n_vocab", "rng", "source"}  # source: the train_gpt2.py that wrote it
+    assert set(checkpoint) == {"model", "trained_model", "model_config", "optimizer", "scaler", "step", "config",
+                               "data_epoch", "data_position", "train_tokens", "n_vocab", "rng", "source"}  # source: the train_gpt2.py that wrote it
+    # "model": the weights scored (t.weights_to_score), here the trained ones: one copy in the file
+    assert all(checkpoint["trained_model"][name].data_ptr() == weight.data_ptr()
+               for name, weight in checkpoint["model"].items())
     assert checkpoint["model_config"] == {"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 64,
                                           "vocab_size": 50304, "dropout": 0.0}  # what the weights mean
     assert checkpoint["step"] == 3 and (checkpoint["data_epoch"], checkpoint["data_position"]) == (0, 3 * 256)
@@ -246,6 +249,19 @@ def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):
     # own seeded one)
     assert [set(states) for states in checkpoint["rng"]] == [{"torch_cpu", "torch_cuda"}]
     assert (tmp_path / "ckpt_3.pt.sha256").read_text().strip() == t.file_sha256(str(tmp_path / "ckpt_3.pt"))
+
+
+def test_a_checkpoint_written_before_trained_model_was_kept_apart_resumes_exactly(one_thread, tmp_path, straight):
+    """Its "model" holds the trained weights, which resume then takes for both."""
+    run(["--stop_after_steps", "4"], tmp_path / "written")
+    older = torch.load(tmp_path / "written" / "ckpt_4.pt", weights_only=True)
+    del older["trained_model"]
+    (tmp_path / "older").mkdir()
+    torch.save(older, tmp_path / "older" / "ckpt_4.pt")
+    run(["--resume", "auto"], tmp_path / "older")
+    assert logged(tmp_path / "older") == logged(straight)[4:]
+    assert_same_weights(*(torch.load(log_dir / "ckpt_8.pt", weights_only=True)["model"]
+                          for log_dir in (tmp_path / "older", straight)))
 
 
 def test_a_checkpoint_restores_the_cuda_generator_of_this_runs_gpu_only(monkeypatch):

@@ -1,6 +1,7 @@
 """HellaSwag, OpenAI's weights, generation with a KV cache, export to transformers."""
 
 import contextlib
+import copy
 import json
 import os
 import random
@@ -677,6 +678,48 @@ def test_eval_only_on_a_runs_checkpoint_takes_its_batch_shape_and_without_hellas
                                  TINY_ARGS[TINY_ARGS.index("--text_file") + 1], "--log_dir", str(tmp_path / "tuned")]))
     assert len([r for r in tuned.records if "train_loss" in r]) == 1
     assert f"train tokens; flags not given: {checkpoint}'s seq_len, batch sizes, eval_steps\n" in capsys.readouterr().out
+
+
+def ema_of_the_weights(model, scored=None):
+    """A hacker's EMA for t.weights_to_score: a copy of the weights, moved halfway toward them after each step (decay
+    0.5, so that it stays apart from them in a short run)."""
+    if scored is None:
+        return copy.deepcopy(model)
+    with torch.no_grad():
+        for average, weight in zip(scored.parameters(), model.parameters(), strict=True):
+            average.lerp_(weight, 0.5)
+    return scored
+
+
+def test_the_weights_a_run_scores_are_those_eval_only_generate_and_export_hf_read_and_resume_restores_both(
+        one_thread, tmp_path, monkeypatch):
+    """An EMA of the weights (t.weights_to_score) is validated during training; the checkpoint keeps it as "model",
+    which --eval_only, --generate and --export_hf read, and the trained weights as "trained_model". --eval_only
+    scored the trained weights (issue 69: 8.6734 where the run logged 10.4776 for its EMA)."""
+    monkeypatch.setattr(t, "weights_to_score", ema_of_the_weights)
+    monkeypatch.setattr(t, "HELLASWAG_URL", "http://127.0.0.1:9/hellaswag_val.jsonl")  # refused at once: no HellaSwag
+    monkeypatch.setattr(t, "HELLASWAG_CACHE", str(tmp_path / "cache" / "hellaswag_val.jsonl"))
+    flags = TINY_ARGS + ["--max_steps", "6", "--eval_every", "3", "--eval_steps", "2"]
+    straight = t.main(t.parse_args(flags + ["--log_dir", str(tmp_path / "straight")]))
+    final = tmp_path / "straight" / "ckpt_6.pt"
+    checkpoint = torch.load(final, weights_only=True)
+    for name, weight in straight.model.state_dict().items():  # train()'s model: the trained weights
+        assert torch.equal(checkpoint["trained_model"][name], weight), name
+    assert not torch.equal(checkpoint["model"]["lm_head.weight"], checkpoint["trained_model"]["lm_head.weight"])
+    run_mode = ["--init_from", str(final), "--text_file", str(SHAKESPEARE), "--device", "cpu"]
+    scored = t.main(t.parse_args(["--eval_only", "--log_dir", str(tmp_path / "eval")] + run_mode))
+    assert scored == {"val_loss": [r["val_loss"] for r in straight.records if "val_loss" in r][-1]}  # its EMA's
+    for mode in (["--generate"], ["--export_hf", str(tmp_path / "hf")]):  # both read --init_from's weights here
+        _, weights = t.CheckedRun(t.parse_args(mode + run_mode)).initial_weights()
+        assert all(torch.equal(weights[name], weight) for name, weight in checkpoint["model"].items()), mode
+    t.main(t.parse_args(flags + ["--stop_after_steps", "3", "--log_dir", str(tmp_path / "resumed")]))
+    resumed = t.main(t.parse_args(flags + ["--resume", "auto", "--log_dir", str(tmp_path / "resumed")]))
+    def losses(result):  # from step 3 on: the val loss, the EMA's, is right only if resume restored it
+        return [(r["step"], r.get("train_loss"), r.get("val_loss")) for r in result.records if r.get("step", -1) >= 3]
+    assert len(losses(resumed)) == 4 and losses(resumed) == losses(straight)
+    for key in ("model", "trained_model"):
+        assert all(torch.equal(weight, torch.load(tmp_path / "resumed" / "ckpt_6.pt", weights_only=True)[key][name])
+                   for name, weight in checkpoint[key].items()), key
 
 
 @pytest.mark.parametrize("change, problem", [

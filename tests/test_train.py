@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import train_gpt2 as t
-from conftest import checked_run, TINY_ARGS
+from conftest import checked_run, hash_routed_gpt, idle_experts, SHAKESPEARE, TINY_ARGS
 
 
 def run(args, tmp_path, name="log"):
@@ -486,15 +486,31 @@ class WithAnIdleGain(t.GPT):
         self.transformer.h[0].attn.value_gain = torch.nn.Parameter(torch.ones(()))
 
 
-def test_a_parameter_with_no_gradient_is_one_line_before_any_optimizer_step(tmp_path, monkeypatch, capsys):
-    """It used to train on, its value never moving (in one process), or to stop in PyTorch's words (under DDP)."""
+def test_a_parameter_with_no_gradient_in_a_new_runs_first_steps_is_one_line(tmp_path, monkeypatch, capsys):
+    """It used to train on, its value never moving (in one process), or to stop in PyTorch's words (under DDP). The
+    first t.NO_GRADIENT_STEPS steps, or all of a shorter run: the line comes at the last, before its checkpoint."""
     monkeypatch.setattr(t, "GPT", WithAnIdleGain)
     with pytest.raises(SystemExit) as stopped:
         run(["--max_steps", "2", "--ckpt_every", "1"], tmp_path)
-    assert stopped.value.code == 2 and capsys.readouterr().err == (
-        "error: transformer.h.0.attn.value_gain got no gradient: use it in forward, or set its requires_grad to "
-        "False (DDP waits for a gradient from each)\n")
-    assert not list((tmp_path / "log").glob("ckpt_*.pt"))  # no step was taken
+    out, err = capsys.readouterr()
+    assert stopped.value.code == 2 and err == (
+        "error: transformer.h.0.attn.value_gain got no gradient in this run's first 2 steps: use it in forward, or "
+        "set its requires_grad to False\n")
+    assert "step     1/2 | loss" in out and [p.name for p in (tmp_path / "log").glob("ckpt_*.pt")] == ["ckpt_1.pt"]
+
+
+def test_an_expert_idle_in_the_first_step_of_a_new_run_or_of_a_resume_is_not_named(tmp_path, one_thread, monkeypatch):
+    """Each block's MLP a mixture of 8 experts, each token routed to one (conftest.hash_routed_gpt), a step 16
+    tokens: expert 7 gets none at step 0, expert 4 none at step 3. The first step's gradients named expert 7 and
+    stopped the new run; a resume at step 3 was stopped for expert 4, which top-1 routing idles by design."""
+    monkeypatch.setattr(t, "GPT", hash_routed_gpt())
+    flags = ["--seq_len", "16", "--micro_batch_size", "1", "--total_batch_size", "16", "--max_steps", "6",
+             "--ckpt_every", "3"]
+    loader = t.DataLoader(checked_run(text_file=str(SHAKESPEARE)).token_streams()[0], 1, 16, 0, 1, False, 0)
+    assert [idle_experts(loader.next_batch()[0]) for _ in range(4)] == [{7}, set(), {7}, {4}]
+    whole = train_losses(run(flags, tmp_path, "whole"))
+    run(flags + ["--stop_after_steps", "3"], tmp_path, "resumed")
+    assert train_losses(run(flags + ["--resume", "auto"], tmp_path, "resumed")) == whole[3:]
 
 
 def test_each_step_line_ends_with_the_time_left_and_the_start_line_counts_in_singular_and_plural(tmp_path, capsys):
