@@ -243,10 +243,9 @@ class TokenStream:
 
 
 class DataLoader:
-    """(B, T) batches of windows, T + 1 tokens of a TokenStream (all shards as one): x =
-    window[:-1], y = window[1:]. The place: `position` tokens read of this `epoch`'s order
-    (shuffled: windows at k*T in an order drawn from (seed, epoch)); rank r of W reads B windows
-    from position + r*B*T, all move on W*B*T: in tokens, it resumes at any world size or T."""
+    """(B, T) batches of windows, T + 1 tokens of a TokenStream: x = window[:-1], y = window[1:].
+    Place: `position` tokens read of this `epoch`'s order (shuffled: windows at k*T, ordered by
+    (seed, epoch)); rank r of W reads B from position + r*B*T; all move on W*B*T, in tokens."""
 
     def __init__(self, stream, batch_size, seq_len, rank, world_size, shuffle, seed):
         self.stream, self.batch_size, self.seq_len = stream, batch_size, seq_len
@@ -647,8 +646,7 @@ class Run:
             f"{scores['hellaswag_acc_norm']:.4f} (acc {scores['hellaswag_acc']:.4f})"))
 
     def diverged(self, step, loss, grad_norm):
-        raise FloatingPointError(f"training diverged at step {step}: loss {loss:.4g}, gradient "
-                                 f"norm {grad_norm:.4g}")
+        raise FloatingPointError(f"diverged at step {step}: loss {loss:.4g}, norm {grad_norm:.4g}")
 
     def stop_requested(self) -> bool:
         return False  # the machinery's: a signal or a failed write, on any rank
@@ -733,8 +731,7 @@ def train(cfg: TrainConfig, run: Run | None = None) -> TrainResult:
         run.log_step(step, loss, lr, grad_norm, (time.perf_counter() - started) * 1000,
                      train_loader)
         # every rank holds the same loss and norm: all stop (float16's scaler skips inf norms)
-        finite = math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled())
-        if not finite:
+        if not (math.isfinite(loss) and (math.isfinite(grad_norm) or scaler.is_enabled())):
             run.diverged(step, loss, grad_norm)  # raises, saving nothing from this step
 
         # the rest is bookkeeping: evaluate, checkpoint, sample
@@ -863,9 +860,8 @@ def pack_hellaswag(rendered: list[tuple], max_tokens):
 
 
 def sample_next(model: GPT, idx, caches, positions, noise, temperature: float, n_vocab: int):
-    """(B, 1): the token after idx (B, T) at positions (T,), drawn from the softmax p of the top k
-    of the tokenizer's n_vocab logits (k: noise's width). argmax(p / E), E (B, k) Exp(1) noise,
-    picks i with probability p_i: multinomial's distribution, without its host sync on CUDA."""
+    """(B, 1): the token after idx (B, T) at positions (T,), from softmax p of the top k (noise's
+    width) of n_vocab logits: argmax(p / E), E ~ Exp(1), is i with probability p_i, sync-free."""
     hidden = model.hidden_states(idx, caches, positions)[:, -1]  # (B, n_embd): the last position
     logits = model.logits(hidden)[:, :n_vocab].float() / temperature  # no padding rows
     top_logits, top_ids = torch.topk(logits, noise.size(1), dim=-1)
