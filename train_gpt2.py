@@ -1568,7 +1568,8 @@ class CheckedRun(Run):
         named = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
         got = np.array([p.grad is not None for _, p in named])  # in this step, on this rank
         self.got_gradient = got | self.got_gradient if step else got
-        if step + 1 == min(NO_GRADIENT_STEPS, self.cfg.max_steps):
+        cfg = self.cfg  # the first steps, or all of a shorter run, or of its first part
+        if step + 1 == min(NO_GRADIENT_STEPS, cfg.max_steps, cfg.stop_after_steps or math.inf):
             on_any_rank = np.any(gather(self.got_gradient, self.launch), axis=0)
             if idle := [name for (name, _), got in zip(named, on_any_rank, strict=True) if not got]:
                 raise RunError(f"{', '.join(idle)} got no gradient in this run's first {step + 1} "
