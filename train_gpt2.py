@@ -1031,12 +1031,15 @@ def parse_args(argv: list[str]) -> TrainConfig:
 def init_from_settings(init_from) -> tuple[dict, dict]:
     """--init_from's (model config, run config), as far as a quick read finds them."""
     if init_from in MODEL_SHAPES:  # OpenAI's
-        return {**MODEL_SHAPES[init_from], "block_size": 1024, "vocab_size": 50257}, {}
+        return {**MODEL_SHAPES[init_from], "block_size": 1024, "vocab_size": GPT2_TOKENS}, {}
     with contextlib.suppress(Exception):  # no file, an unreadable one: check_config or loading
         saved = Run.load_checkpoint(init_from)
         if isinstance(saved, dict):
             return saved["model_config"], saved["config"]
     return {}, {}
+
+
+GPT2_TOKENS = 50257  # the vocabulary of OpenAI's weights, and of checkpoints that name none
 
 
 class _OneLineErrorParser(argparse.ArgumentParser):
@@ -1822,7 +1825,7 @@ def check_resumable(checkpoint: dict, cfg, model_config: GPTConfig):
 
 def check_vocabulary(checkpoint: dict, flag, path):
     """A checkpoint's (OpenAI's: {}) embedding rows are made for its tokenizer's ids."""
-    if (saved := checkpoint.get("n_vocab", 50257)) != (n_vocab := tokenizer().n_vocab):
+    if (saved := checkpoint.get("n_vocab", GPT2_TOKENS)) != (n_vocab := tokenizer().n_vocab):
         raise RunError(f"{flag} {path} was trained with a tokenizer of {saved:,} tokens, not this "
                        f"one's {n_vocab:,}: use its tokenizer, or train a new model")
 
