@@ -1,7 +1,6 @@
-"""Pretrain GPT-2 in plain PyTorch: `python train_gpt2.py` on one device (CUDA, MPS or CPU),
-`torchrun --standalone --nproc_per_node=8 train_gpt2.py` on 8 GPUs. Down to the one "# ===="
-banner: GPT-2's pretraining, which trains alone as train(TrainConfig()). After it: the command
-line, the options (Muon, ZeRO-1, --shuffle...) and checks, which main() hands train() in a Run."""
+"""Pretrain GPT-2 in plain PyTorch: `python train_gpt2.py` on one device, `torchrun --standalone
+--nproc_per_node=8 train_gpt2.py` on 8 GPUs. Down to the "# ====" banner: GPT-2's pretraining,
+which trains alone as train(TrainConfig()); after it, the options and checks main() hands it."""
 
 import collections
 import contextlib
@@ -19,7 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 def tokenizer():
@@ -60,12 +58,11 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim): each head attends with its own slice of C
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        key_positions = positions
+        key_positions, fused = positions, self.fused_causal and cache is None
         if cache is not None:  # generating: all keys, values and tokens so far, and their positions
             k, v, tokens, key_positions = cache.update(positions, tokens, k, v)
         # softmax(q k^T / sqrt(head_dim)) v in one kernel; fused_causal: SDPA's causal kernel
         # makes the mask itself (flash attention on a GPU), the same numbers, faster
-        fused = self.fused_causal and cache is None
         mask = None if fused else visible(positions, key_positions, tokens)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=fused,
                                            dropout_p=self.dropout if self.training else 0.0)
@@ -129,9 +126,8 @@ class GPT(nn.Module):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx, targets=None):
-        """idx (B, T) -> logits (B, T, vocab_size); given targets (B, T), their mean loss instead
-        (--loss_chunk_size makes the logits a slice at a time). A loss that adds terms adds them
-        here: validation and HellaSwag score cross_entropy alone."""
+        """idx (B, T) -> logits (B, T, vocab_size); given targets (B, T), their mean loss instead.
+        A loss that adds terms adds them here: validation and HellaSwag score cross_entropy."""
         x = self.hidden_states(idx)
         return self.logits(x) if targets is None else self.cross_entropy(x, targets)
 
@@ -142,9 +138,8 @@ class GPT(nn.Module):
             raise ValueError(f"{T} tokens, longer than block_size {self.config.block_size}")
         positions = torch.arange(T, device=idx.device) if positions is None else positions
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
-        for block, cache in zip(self.transformer.h, caches or [None] * len(self.transformer.h),
-                                strict=True):
-            x = block(x, positions, idx, cache)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, positions, idx, caches[i] if caches else None)
         return self.transformer.ln_f(x)
 
     def logits(self, x):
@@ -165,11 +160,8 @@ class TokenStream:
         self.arrays, self.starts = arrays, np.cumsum([0] + [len(a) for a in arrays])
         self.num_tokens = int(self.starts[-1])
 
-    def array_at(self, position: int) -> int:
-        return int(np.searchsorted(self.starts, position, side="right")) - 1
-
-    def read(self, start: int, count: int) -> np.ndarray:
-        first, last = self.array_at(start), self.array_at(start + count - 1)
+    def read(self, start: int, count: int) -> np.ndarray:  # from the arrays first to last
+        first, last = np.searchsorted(self.starts, [start, start + count - 1], side="right") - 1
         return np.concatenate([self.arrays[i][max(0, start - self.starts[i]) :
                                               start + count - self.starts[i]]
                                for i in range(first, last + 1)]).astype(np.int64)
@@ -203,14 +195,12 @@ class DataLoader:
     def read_window(self, epoch: int, position: int) -> np.ndarray:  # (--shuffle: another one)
         return self.stream.read(position, self.seq_len + 1)
 
-def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:
-    """On CUDA via pinned memory: the CPU queues the copy and goes on, not waiting."""
+def to_device(batch: torch.Tensor, device: str) -> torch.Tensor:  # pinned: the CPU goes on
     pinned = device.startswith("cuda")
     return (batch.pin_memory() if pinned else batch).to(device, non_blocking=pinned)
 
 # ------------------------------ distributed setup
-# where this process sits in the job (`python train_gpt2.py`: rank 0 of 1); local_rank picks the
-# GPU; torchrun: a process group, even for one process; restarts: torchrun's --max-restarts so far
+# where this process sits (python train_gpt2.py: rank 0 of 1); local_rank picks the GPU
 Launch = collections.namedtuple("Launch", "rank local_rank world_size torchrun local_world_size "
                                 "restarts", defaults=(0, 0, 1, False, 1, 0))
 
@@ -255,14 +245,14 @@ def lr_at(step: int, cfg: "TrainConfig") -> float:
     progress = (step - cfg.warmup_steps) / (cfg.max_steps - cfg.warmup_steps)  # 0 -> 1
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (cfg.max_lr - min_lr)
 
-def configure_optimizers(params: list[nn.Parameter], cfg: "TrainConfig", fused: bool) -> list:
-    """[AdamW]; beta2 0.95, not 0.999: the second moment forgets a loss spike sooner. Decay pulls
-    matrices and embeddings toward 0, not biases or gains (the rule: 2 or more dimensions; a gain
-    shaped (n_head, 1, 1) needs a group of its own). fused: one kernel for all, on CUDA."""
+def configure_optimizers(model: GPT, cfg: "TrainConfig", skip=frozenset()) -> list:
+    """[AdamW] over the parameters that train, but skip's (main()'s Muon). beta2 0.95: the second
+    moment forgets a spike sooner. Decay: matrices and embeddings (2+ dims), not biases or gains."""
+    params = [p for name, p in model.named_parameters() if p.requires_grad and name not in skip]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     return [torch.optim.AdamW(groups, lr=cfg.max_lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                              fused=fused)]
+                              fused=cfg.device.startswith("cuda"))]
 
 # ------------------------------ training
 def flag(default, help: str, section: str, choices=None):  # a --flag, in --help's `section`
@@ -271,8 +261,7 @@ def flag(default, help: str, section: str, choices=None):  # a --flag, in --help
 
 @dataclasses.dataclass
 class TrainConfig:
-    """The recipe's flags (main()'s config adds the options'). Defaults: build-nanogpt's GPT-2
-    124M model, batch, optimizer and schedule (its data: --data_dir with fineweb.py's shards)."""
+    """The recipe's flags (main()'s Config adds the options'); defaults: build-nanogpt's 124M."""
     n_layer: int = flag(12, "transformer blocks", "model")
     n_head: int = flag(12, "attention heads", "model")
     n_embd: int = flag(768, "model width", "model")
@@ -314,8 +303,7 @@ class TrainConfig:
 
 def machine_choices(cfg: TrainConfig, launch: Launch) -> TrainConfig:
     """"auto" made plain: this process's GPU, else Apple's, else the CPU; bfloat16 where the GPU
-    has it (8.0+), float16 (scaled) on older ones, else float32; compile on CUDA. --vocab_size 0:
-    the tokenizer's, padded."""
+    has it (8.0+), float16 on older ones, else float32; compile on CUDA; the vocab's rows."""
     device = cfg.device if cfg.device != "auto" else (
         "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available()
         else "cpu")
@@ -350,8 +338,7 @@ def weights_to_score(model: GPT, scored: GPT | None = None) -> GPT:
 def shard_paths(data_dir, split) -> list[Path]:  # fineweb.py's PREFIX_{split}_000001.npy
     return sorted(Path(data_dir).glob(f"*_{split}_{'[0-9]' * 6}.npy"))
 
-# what train() returns: the plain model (no DDP or compile wrapper), and what rank 0 logged
-TrainResult = collections.namedtuple("TrainResult", ["model", "records"])
+TrainResult = collections.namedtuple("TrainResult", "model run")  # (the model without DDP)
 TEXT_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "input.txt")
 
 class Run:
@@ -388,10 +375,7 @@ class Run:
         return model
 
     make_loader = DataLoader  # main()'s: --shuffle's loader
-
-    def make_optimizers(self, model: GPT) -> list:
-        params = [p for p in model.parameters() if p.requires_grad]
-        return configure_optimizers(params, self.cfg, fused=self.cfg.device.startswith("cuda"))
+    make_optimizers = staticmethod(configure_optimizers)  # main()'s: Muon beside AdamW, ZeRO-1
 
     def log(self, line: str, record: dict | None = None):
         """Rank 0 prints the line and keeps its figures (a step's, an evaluation's)."""
@@ -413,9 +397,6 @@ class Run:
     def stop_requested(self, steps_done) -> bool:  # main()'s: a signal, --stop_after_steps
         return False
 
-    def finish(self):  # main()'s: the summary, and how to go on after a stop
-        pass
-
 def train(cfg: TrainConfig, make_run=Run) -> TrainResult:
     """Build the model, the data and the optimizer, then train: every rank runs this. The run,
     make_run(cfg, launch), reads the inputs and writes the log and checkpoints."""
@@ -436,7 +417,7 @@ def train(cfg: TrainConfig, make_run=Run) -> TrainResult:
     B, T, W = cfg.micro_batch_size, cfg.seq_len, launch.world_size
     train_loader = run.make_loader(train_tokens, B, T, launch.rank, W)  # (main()'s: --shuffle)
     val_loader = DataLoader(val_tokens, B, T, launch.rank, W)  # read from its start
-    optimizers = run.make_optimizers(raw_model)  # [AdamW] (main()'s: Muon beside it, ZeRO-1)
+    optimizers = run.make_optimizers(raw_model, cfg)
     for group in (group for optimizer in optimizers for group in optimizer.param_groups):
         group["lr_ratio"] = group["lr"] / cfg.max_lr  # a group given its own rate keeps its ratio
     # float16's narrow range: small gradients underflow unless the loss is scaled; bfloat16's not
@@ -448,8 +429,7 @@ def train(cfg: TrainConfig, make_run=Run) -> TrainResult:
                  f"{train_loader.epoch})")
     autocast, accum_steps = autocast_for(cfg.dtype, device), grad_accum_steps(cfg, W)
     if start_step == 0 and cfg.eval_every:  # the val loss before training: the curve's start
-        run.log_scores(-1, {"val_loss": estimate_val_loss(
-            scored, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
+        run.log_scores(-1, {"val_loss": estimate_val_loss(scored, val_loader, cfg, launch)})
 
     for step in range(start_step, cfg.max_steps):
         started = time.perf_counter()
@@ -484,17 +464,14 @@ def train(cfg: TrainConfig, make_run=Run) -> TrainResult:
         ms = (time.perf_counter() - started) * 1000
         tokens_per_s = cfg.total_batch_size * 1000 / ms  # (main()'s run stops a diverged loss)
         run.log(f"step {step:5d}/{cfg.max_steps} | loss {loss:.6f} | lr {lr:.4e} | norm "
-                f"{grad_norm:.4f} | {ms:.0f} ms | {tokens_per_s:,.0f} tok/s", {"step": step,
-                "train_loss": loss, "lr": lr, "grad_norm": grad_norm, "ms": ms,
-                "tokens_per_s": tokens_per_s})
+                f"{grad_norm:.4f} | {ms:.0f} ms | {tokens_per_s:,.0f} tok/s", dict(step=step,
+                train_loss=loss, lr=lr, grad_norm=grad_norm, ms=ms, tokens_per_s=tokens_per_s))
 
-        # the rest is bookkeeping: evaluate, checkpoint, sample
         steps_done, last_step = step + 1, step + 1 == cfg.max_steps
         if is_due(cfg.eval_every, steps_done, last_step):
-            run.log_scores(step, {"val_loss": estimate_val_loss(
-                scored, val_loader, cfg.eval_steps, accum_steps, device, autocast, launch)})
+            run.log_scores(step, {"val_loss": estimate_val_loss(scored, val_loader, cfg, launch)})
         if is_due(cfg.hellaswag_every, steps_done, last_step):
-            run.log_scores(step, evaluate_hellaswag(scored, hellaswag, device, autocast, launch))
+            run.log_scores(step, evaluate_hellaswag(scored, hellaswag, cfg, launch))
         stop = run.stop_requested(steps_done)  # main()'s run: a signal, --stop_after_steps
         if stop or is_due(cfg.ckpt_every, steps_done, last_step):
             state = checkpoint_state(raw_model, scored, optimizers, scaler, train_loader,
@@ -505,43 +482,40 @@ def train(cfg: TrainConfig, make_run=Run) -> TrainResult:
         if stop:
             break
     del model  # DDP: freed after the group ends, it would end it holding the GIL (#56297: hangs)
-    run.finish()
     if joins:  # all together, then end the group with nothing else holding it (see main()'s end)
         dist.barrier()
         dist.destroy_process_group()
-    return TrainResult(raw_model, run.records)
+    return TrainResult(raw_model, run)
 
 def checkpoint_state(model, scored, optimizers, scaler, loader, steps_done, cfg, launch):
     """What a checkpoint holds, on rank 0 (None elsewhere): enough to go on exactly."""
     optimizer_states = [optimizer.state_dict() for optimizer in optimizers]  # ZeRO: all send
-    return {"model": scored.state_dict(), "trained_model": model.state_dict(),  # (if the same:
-            "model_config": dataclasses.asdict(model.config), "optimizer": optimizer_states,
-            "scaler": scaler.state_dict(), "config": dataclasses.asdict(cfg), "step": steps_done,
-            "data_epoch": loader.epoch, "data_position": loader.position,  # saved once)
-            "train_tokens": loader.stream.num_tokens} if launch.rank == 0 else None
+    return {"model": scored.state_dict(),  # the weights scored, and the trained (the same: once)
+            "trained_model": model.state_dict(), "model_config": dataclasses.asdict(model.config),
+            "optimizer": optimizer_states, "scaler": scaler.state_dict(), "step": steps_done,
+            "config": dataclasses.asdict(cfg), "data_epoch": loader.epoch,
+            "data_position": loader.position} if launch.rank == 0 else None
 
 def resume(checkpoint, model, scored, optimizers, scaler, loader):
     """Go on exactly: the weights, the optimizers' moments, the data's place."""
     scored.load_state_dict(checkpoint["model"])  # the weights scored (weights_to_score), and
     model.load_state_dict(checkpoint.get("trained_model", checkpoint["model"]))  # the trained
     for optimizer, state in zip(optimizers, checkpoint["optimizer"], strict=True):
-        flags = [{k: v for k, v in group.items() if k != "params"}  # this run's: a resume may
-                 for group in optimizer.param_groups]  # change --weight_decay or the betas
-        optimizer.load_state_dict(state)  # the moments, under the saved run's settings
-        for group, settings in zip(optimizer.param_groups, flags, strict=True):
-            group.update(settings)
+        optimizer.load_state_dict(state)  # the moments, and each group's settings
     if checkpoint["scaler"]:
         scaler.load_state_dict(checkpoint["scaler"])
     loader.epoch, loader.position = checkpoint["data_epoch"], checkpoint["data_position"]
 
 # ------------------------------ evaluation and sampling
 @torch.no_grad()
-def estimate_val_loss(model, loader, eval_steps, accum_steps, device, autocast, launch) -> float:
-    """Mean loss of the first eval_steps validation steps: the same tokens every time."""
+def estimate_val_loss(model, loader, cfg: TrainConfig, launch: Launch) -> float:
+    """Mean loss of the first --eval_steps validation steps: the same tokens every time."""
     model.eval()  # no dropout
     loader.epoch = loader.position = 0
-    step_losses = torch.zeros(eval_steps, device=device)
-    for step in range(eval_steps):
+    device, autocast = cfg.device, autocast_for(cfg.dtype, cfg.device)
+    accum_steps = grad_accum_steps(cfg, launch.world_size)
+    step_losses = torch.zeros(cfg.eval_steps, device=device)
+    for step in range(cfg.eval_steps):
         for _ in range(accum_steps):
             x, y = (to_device(batch, device) for batch in loader.next_batch())
             with autocast():  # the logits' cross-entropy, even if training's loss adds terms
@@ -550,10 +524,11 @@ def estimate_val_loss(model, loader, eval_steps, accum_steps, device, autocast, 
     return all_reduce_mean(step_losses, launch).mean().item()
 
 @torch.no_grad()
-def evaluate_hellaswag(model: GPT, batches: list[tuple], device, autocast, launch) -> dict:
+def evaluate_hellaswag(model: GPT, batches: list[tuple], cfg: TrainConfig, launch) -> dict:
     """Pick the likeliest of 4 endings. acc: the ending of lowest summed loss is right; acc_norm:
     of lowest mean loss a token (long endings are not penalised for their length)."""
     model.eval()
+    device, autocast = cfg.device, autocast_for(cfg.dtype, cfg.device)
     counts = torch.zeros(3, device=device)  # examples, right by summed, by mean loss
     for batch in batches:  # tokens, mask (4n, L): example i in rows 4i to 4i + 3
         tokens, mask, labels = (to_device(tensor, device) for tensor in batch)
@@ -577,8 +552,7 @@ def render_hellaswag(example: dict, tokenizer) -> tuple:
     the endings' tokens; labels (1,), the right one's. (main()'s run packs many to a batch.)"""
     context = tokenizer.encode_ordinary(example["ctx"])
     rows = [context + tokenizer.encode_ordinary(" " + ending) for ending in example["endings"]]
-    tokens = torch.zeros(4, max(len(row) for row in rows), dtype=torch.long)
-    mask = torch.zeros_like(tokens)
+    tokens, mask = torch.zeros(2, 4, max(len(row) for row in rows), dtype=torch.long)
     for i, row in enumerate(rows):
         tokens[i, : len(row)] = torch.tensor(row)
         mask[i, len(context) : len(row)] = 1
@@ -595,9 +569,6 @@ def sample_next(model: GPT, idx, noise, temperature: float, n_vocab: int, caches
     choice = (F.softmax(top_logits, dim=-1) / noise).argmax(dim=-1, keepdim=True)
     return top_ids.gather(-1, choice)
 
-# cuDNN's attention plans anew for each length (the prompt's, each window's): 64 tokens/s at 124M
-WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
 @torch.no_grad()
 def generate(model: GPT, prompt_tokens: list[int], max_new_tokens: int, num_samples=1,
              temperature=1.0, top_k=50, seed=0, autocast=contextlib.nullcontext,
@@ -607,16 +578,15 @@ def generate(model: GPT, prompt_tokens: list[int], max_new_tokens: int, num_samp
     model.eval()
     device, vocab, block_size = model.lm_head.weight.device, tokenizer(), model.config.block_size
     tokens = torch.tensor(prompt_tokens or [vocab.eot_token], device=device).repeat(num_samples, 1)
-    start = tokens.size(1)
     generator = torch.Generator(device=device).manual_seed(seed)  # training's RNG untouched
     top_k = min(top_k, model.config.vocab_size, vocab.n_vocab)
-    with autocast(), sdpa_kernel(WITHOUT_CUDNN):
+    with autocast():
         for _ in range(max_new_tokens):
             noise = torch.empty(num_samples, top_k, device=device).exponential_(generator=generator)
             new = next_token(model, tokens[:, -block_size:], noise, temperature, vocab.n_vocab)
             tokens = torch.cat([tokens, new], dim=1)
     model.train()
-    return tokens[:, start:].tolist()
+    return tokens[:, tokens.size(1) - max_new_tokens :].tolist()
 
 def print_samples(model: GPT, cfg, autocast, next_token=sample_next):
     """Print (and return) --num_samples continuations of --prompt."""
@@ -650,6 +620,7 @@ import urllib.request
 import weakref
 
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 RESUME_AUTO = "run the same command with --resume auto"
 
@@ -718,6 +689,7 @@ def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str
             with catching_stop_signals(launch.rank == 0) as stop_signal:
                 result = train(cfg, functools.partial(CheckedRun, stop_signal=stop_signal,
                                                       notes=notes))
+                result.run.finish()
     except RunError as error:  # on every rank: rank 0 says it
         if launch.rank == 0:
             print(f"error: {error}", file=sys.stderr, flush=True)
@@ -1025,9 +997,10 @@ class CheckedRun(Run):
                 raise RunError(f"--log_dir {cfg.log_dir} holds an earlier run's checkpoints "
                                f"({os.path.basename(earlier[0])}): continue it with --resume "
                                "auto, or pass another --log_dir")
+            checkpoint = self.load_checkpoint(cfg.resume) if cfg.resume else None
+            self.initial = self.init_from_weights() if cfg.init_from else None  # before downloads
             train_tokens, val_tokens = self.token_streams()
             check_token_counts((train_tokens, val_tokens), cfg, with_val=cfg.eval_every > 0)
-            checkpoint = self.load_checkpoint(cfg.resume) if cfg.resume else None
             if checkpoint is not None:
                 checkpoint = self.resumable(checkpoint, train_tokens)
                 step = checkpoint["step"]  # later ones: another branch, --resume auto's pick
@@ -1102,7 +1075,8 @@ class CheckedRun(Run):
             self.log(", ".join(f"--{name} {old} -> {new}" for name, (old, new) in reshaped.items())
                      + ": the data goes on from its next unread token, "
                      f"{checkpoint['data_position']:,} of epoch {checkpoint['data_epoch']}")
-        if checkpoint["train_tokens"] != (tokens := train_tokens.num_tokens):
+        tokens = train_tokens.num_tokens
+        if checkpoint.get("train_tokens", tokens) != tokens:
             self.log(f"warning: the training data holds {tokens:,} tokens, the checkpoint's held "
                      f"{checkpoint['train_tokens']:,}: its data position points at other tokens "
                      "now; resume with the checkpoint's data to go on exactly")
@@ -1118,6 +1092,13 @@ class CheckedRun(Run):
                 self.log(f"warning: the optimizer and schedule differ from the checkpoint's "
                          f"({flags})" + (f": at step {step} the learning rate goes on at "
                          f"{rate:.4e} instead of {saved_rate:.4e}" if rate != saved_rate else ""))
+        # the saved groups' settings that were the saved flags' become this run's flags'
+        settings = lambda c: {"weight_decay": c["weight_decay"], "eps": c["eps"],  # noqa: E731
+                              "betas": (c["beta1"], c["beta2"])}
+        then, now = settings(saved), settings(vars(cfg))
+        for state in checkpoint["optimizer"]:
+            for group in state["param_groups"]:
+                group.update({name: now[name] for name in now if group.get(name) == then[name]})
         return checkpoint
 
     @staticmethod
@@ -1155,7 +1136,7 @@ class CheckedRun(Run):
     def with_weights(self, model):
         """model holding --init_from's weights (a new one, if the flags gave another shape)."""
         if self.cfg.init_from:
-            model_config, weights = self.init_from_weights()
+            model_config, weights = getattr(self, "initial", None) or self.init_from_weights()
             if model_config != model.config:  # parse_args gave cfg its shape; code may not
                 model = GPT(model_config).to(self.cfg.device)
             model.load_state_dict(weights)
@@ -1172,8 +1153,7 @@ class CheckedRun(Run):
         self.start(model)
         check_paths_agree(model, cfg.device)
         if cfg.hellaswag_every and checkpoint is None:  # a batch, unlogged: an edit fails now
-            evaluate_hellaswag(model, self.inputs[3][:1], cfg.device,
-                               autocast_for(cfg.dtype, cfg.device), launch)
+            evaluate_hellaswag(model, self.inputs[3][:1], cfg, launch)
         return model
 
     def make_loader(self, *args):  # the recipe's DataLoader, or --shuffle's
@@ -1181,8 +1161,8 @@ class CheckedRun(Run):
             DataLoader(*args)
         return self.loader
 
-    def make_optimizers(self, model):
-        return make_optimizers(model, self.cfg, self.launch)
+    def make_optimizers(self, model, cfg):
+        return make_optimizers(model, cfg, self.launch)
 
     # ---- the log: metrics.jsonl, and TensorBoard's events beside it
     def open_log(self, checkpoint):
@@ -1342,8 +1322,8 @@ class CheckedRun(Run):
     def write_checkpoint(self, state, steps_done):
         path = os.path.join(self.cfg.log_dir, f"ckpt_{steps_done}.pt")
         on_every_rank(self.launch, lambda: state is not None and save_checkpoint(
-            path, {**state, "source": Path(__file__).read_text(), "n_vocab": tokenizer().n_vocab},
-            self.cfg.keep_ckpts))
+            path, {**state, "source": Path(__file__).read_text(), "n_vocab": tokenizer().n_vocab,
+                   "train_tokens": self.inputs[0].num_tokens}, self.cfg.keep_ckpts))
 
     def finish(self):
         cfg = self.cfg
@@ -1487,23 +1467,27 @@ def make_optimizers(model: GPT, cfg, launch) -> list:
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     to_muon = {name for name, p in named if cfg.optimizer == "muon" and p.dim() == 2
                and name.startswith("transformer.h.")}
-    sharded = cfg.shard_optimizer and launch.world_size > 1
-    fused = cfg.device.startswith("cuda") and not sharded  # sharded, cannot load: PyTorch #124133
-    optimizers = configure_optimizers([p for name, p in named if name not in to_muon], cfg, fused)
+    optimizers = configure_optimizers(model, cfg, skip=to_muon)
     if to_muon:
         optimizers.append(torch.optim.Muon([p for name, p in named if name in to_muon],
                                            lr=cfg.max_lr, weight_decay=cfg.weight_decay,
                                            adjust_lr_fn="match_rms_adamw"))
-    return [sharded_over_ranks(optimizer, launch) for optimizer in optimizers] if sharded else \
-        optimizers
+    if cfg.shard_optimizer and launch.world_size > 1:
+        optimizers = [sharded_over_ranks(optimizer, launch) for optimizer in optimizers]
+    return optimizers
 
 def sharded_over_ranks(optimizer, launch):
     """optimizer's groups and settings under ZeroRedundancyOptimizer; its state_dict(), on every
     rank, sends each rank's share to rank 0, which alone returns it whole (None elsewhere)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer  # here: it imports FSDP (slow)
-    options = inspect.signature(type(optimizer)).parameters  # (defaults hold more)
-    sharded = ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=type(optimizer), **{
-        name: value for name, value in optimizer.defaults.items() if name in options})
+    options = {name: value for name, value in optimizer.defaults.items()  # (defaults hold more)
+               if name in inspect.signature(type(optimizer)).parameters}
+    if "fused" in options:  # fused, sharded, it cannot load a checkpoint: PyTorch #124133
+        options["fused"] = False
+        for group in optimizer.param_groups:
+            group["fused"] = False
+    sharded = ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=type(optimizer),
+                                      **options)
     whole = sharded.state_dict
 
     def state_dict():
@@ -1851,10 +1835,11 @@ class CheckedTokenStream(TokenStream):
         tokens, n_vocab = super().read(start, count), self.vocab.n_vocab
         if tokens.max() >= n_vocab:
             at = int(np.argmax(tokens >= n_vocab))
+            name = self.names[np.searchsorted(self.starts, start + at, side="right") - 1]
             self.problem = self.problem or (
-                f"{self.names[self.array_at(start + at)]} holds token id {tokens[at]}, beyond "
-                f"the {n_vocab} tokens of {self.vocab.name} (made with another tokenizer?): "
-                "remake the shards with fineweb.py")
+                f"{name} holds token id {tokens[at]}, beyond the {n_vocab} tokens of "
+                f"{self.vocab.name} (made with another tokenizer?): remake the shards with "
+                "fineweb.py")
             np.minimum(tokens, n_vocab - 1, out=tokens)
         return tokens
 
@@ -1918,10 +1903,11 @@ def generate_samples(cfg, device):
         caches, step = compiled_step(model, device) if cfg.compile else (kv_caches(model), None)
         return CachedNextToken(caches, step or sample_next) if cfg.kv_cache else sample_next
     started = time.perf_counter()
-    generate(model, tokenizer.encode_ordinary(cfg.prompt), GENERATE_WARMUP_TOKENS,
-             cfg.num_samples, cfg.temperature, cfg.top_k, cfg.seed, autocast, next_token())
-    warm_up_s, started = time.perf_counter() - started, time.perf_counter()
-    texts = print_samples(model, cfg, autocast, next_token())
+    with sdpa_kernel(WITHOUT_CUDNN):
+        generate(model, tokenizer.encode_ordinary(cfg.prompt), GENERATE_WARMUP_TOKENS,
+                 cfg.num_samples, cfg.temperature, cfg.top_k, cfg.seed, autocast, next_token())
+        warm_up_s, started = time.perf_counter() - started, time.perf_counter()
+        texts = print_samples(model, cfg, autocast, next_token())
     timed_s, tokens = time.perf_counter() - started, cfg.num_samples * cfg.max_new_tokens
     print(f"{tokens:,} tokens in {timed_s:.2f} s: {tokens / timed_s:,.1f} tokens/s (KV cache "
           f"{'on' if cfg.kv_cache else 'off'}, compile {'on' if cfg.compile else 'off'}, "
@@ -1930,6 +1916,8 @@ def generate_samples(cfg, device):
     return texts
 
 GENERATE_WARMUP_TOKENS = 3  # --generate's untimed first call
+# cuDNN's attention plans anew for each length (the prompt's, each window's): 64 tokens/s at 124M
+WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 def compiled_step(model: GPT, device) -> tuple:
     """(caches, step) for CachedNextToken: sample_next compiled once, whole (or else eager), and
@@ -1971,14 +1959,12 @@ def evaluate_only(cfg, launch, device):
             return streams[1], model, None, f"HellaSwag skipped: {error}"
     val_tokens, model, hellaswag, missing = on_every_rank(launch, read)
     missing = next(filter(None, gather(missing, launch)), None)  # all skip it, or none
-    autocast, accum = autocast_for(cfg.dtype, device), grad_accum_steps(cfg, launch.world_size)
     val_loader = DataLoader(val_tokens, cfg.micro_batch_size, cfg.seq_len, launch.rank,
                             launch.world_size)
-    result = {"val_loss": estimate_val_loss(model, val_loader, cfg.eval_steps, accum, device,
-                                            autocast, launch)}
+    result = {"val_loss": estimate_val_loss(model, val_loader, cfg, launch)}
     stop_or_fail_together(False, [val_tokens], launch)  # stops on bad tokens
     if missing is None:
-        result.update(evaluate_hellaswag(model, hellaswag, device, autocast, launch))
+        result.update(evaluate_hellaswag(model, hellaswag, cfg, launch))
     if launch.rank == 0:
         print(f"val loss {result['val_loss']:.4f} over {cfg.eval_steps} x "
               f"{cfg.total_batch_size:,} tokens | " + (missing or f"HellaSwag acc_norm "
