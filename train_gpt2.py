@@ -986,7 +986,7 @@ class CheckedRun(Run):
         self.card = (torch.cuda.get_device_name(self.cfg.device)
                      if self.cfg.device.startswith("cuda") else "")
         self.path, self.problem = os.path.join(cfg.log_dir, "metrics.jsonl"), None
-        self.step_ms, self.stop_reason, self.steps_done = [], None, 0
+        self.step_ms, self.stop_reason, self.steps_done, self.initial = [], None, 0, None
 
     def read_inputs(self):
         """Every rank reads and checks them, then rank 0 opens the log; any problem stops all."""
@@ -1136,7 +1136,7 @@ class CheckedRun(Run):
     def with_weights(self, model):
         """model holding --init_from's weights (a new one, if the flags gave another shape)."""
         if self.cfg.init_from:
-            model_config, weights = getattr(self, "initial", None) or self.init_from_weights()
+            model_config, weights = self.initial or self.init_from_weights()
             if model_config != model.config:  # parse_args gave cfg its shape; code may not
                 model = GPT(model_config).to(self.cfg.device)
             model.load_state_dict(weights)
