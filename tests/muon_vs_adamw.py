@@ -27,7 +27,7 @@ def train(optimizer: str, lr: float, flags: list[str], log_dir: str) -> tuple[fl
     """(the last val loss, the median ms a step) of one run."""
     cfg = train_gpt2.parse_args(DEFAULTS + flags + ["--optimizer", optimizer, "--max_lr", str(lr),
                                                     "--log_dir", log_dir])
-    records = train_gpt2.main(cfg).records
+    records = train_gpt2.main(cfg).run.records
     val_loss = [r["val_loss"] for r in records if "val_loss" in r][-1]
     return val_loss, next(r["summary"]["median_ms"] for r in records if "summary" in r)
 

@@ -51,11 +51,11 @@ def assert_same_weights(a: dict, b: dict):
 def test_resume_is_exact_in_one_process(one_thread, tmp_path, dropout):
     straight = run(dropout, tmp_path / "straight")
     first_half = run(dropout + ["--stop_after_steps", "4"], tmp_path / "resumed")
-    assert [r["step"] for r in first_half.records if "train_loss" in r] == [0, 1, 2, 3]
+    assert [r["step"] for r in first_half.run.records if "train_loss" in r] == [0, 1, 2, 3]
     with open(tmp_path / "resumed" / "metrics.jsonl", "a") as f:
         f.write('{"step": 4, "train_loss": 10.7')  # the tail of a process killed while writing a record
     resumed = run(dropout + ["--resume", "auto"], tmp_path / "resumed")
-    assert [r["step"] for r in resumed.records if "train_loss" in r] == [4, 5, 6, 7]
+    assert [r["step"] for r in resumed.run.records if "train_loss" in r] == [4, 5, 6, 7]
     assert logged(tmp_path / "resumed") == logged(tmp_path / "straight")  # all 8 steps, no duplicates
     assert logged(tmp_path / "resumed", "val_loss") == logged(tmp_path / "straight", "val_loss")
     assert_same_weights(resumed.model.state_dict(), straight.model.state_dict())
@@ -211,7 +211,7 @@ def test_muon_in_two_processes_trains_like_one_and_resumes_exactly_at_another_co
     assert len(muon_state["state"]) == 2 * 4 and len(adamw_state["state"]) == 2 + 2 * (4 + 2 * 2) + 2
     assert all(set(state) == {"momentum_buffer"} for state in muon_state["state"].values())
     one = run(["--optimizer", "muon", "--resume", "auto", "--stop_after_steps", "3"], log_dir)
-    assert [r["step"] for r in one.records if "train_loss" in r] == [3, 4, 5]
+    assert [r["step"] for r in one.run.records if "train_loss" in r] == [3, 4, 5]
     sharded = torchrun(2, ["train_gpt2.py"] + args + ["--shard_optimizer", "--resume", "auto"])
     assert sharded.returncode == 0, sharded.stderr
     assert logged(log_dir) == logged(tmp_path / "straight") and len(logged(log_dir)) == 8
@@ -372,7 +372,7 @@ def test_resuming_an_older_checkpoint_beside_later_ones_is_refused_until_they_ar
     for later in two_checkpoints.glob("ckpt_8.pt*"):
         later.rename(two_checkpoints.parent / later.name)
     resumed = run(["--resume", str(two_checkpoints / "ckpt_4.pt")], two_checkpoints)
-    assert [(r["step"], r["train_loss"]) for r in resumed.records if "train_loss" in r] == expected[4:]
+    assert [(r["step"], r["train_loss"]) for r in resumed.run.records if "train_loss" in r] == expected[4:]
 
 
 def test_a_resume_with_another_data_order_is_refused(two_checkpoints, capsys):
@@ -394,7 +394,7 @@ def test_a_fine_tune_stopped_early_goes_on_exactly_with_the_same_command_and_res
     straight = run(tune, tmp_path / "straight")
     run(tune + ["--stop_after_steps", "2"], tmp_path / "tune")
     resumed = run(tune + ["--resume", "auto"], tmp_path / "tune")
-    assert [r["step"] for r in resumed.records if "train_loss" in r] == [2, 3]
+    assert [r["step"] for r in resumed.run.records if "train_loss" in r] == [2, 3]
     assert logged(tmp_path / "tune") == logged(tmp_path / "straight")
     assert_same_weights(resumed.model.state_dict(), straight.model.state_dict())
 
@@ -417,13 +417,13 @@ def test_resume_auto_finds_the_checkpoints_of_a_log_dir_named_with_glob_characte
     """--log_dir 'runs/[lr3]' was read as a glob pattern: --resume auto found no checkpoint and started again."""
     run(["--stop_after_steps", "2"], tmp_path / "[lr3]")
     resumed = run(["--resume", "auto", "--max_steps", "3"], tmp_path / "[lr3]")
-    assert [r["step"] for r in resumed.records if "train_loss" in r] == [2]
+    assert [r["step"] for r in resumed.run.records if "train_loss" in r] == [2]
 
 
 def test_resume_auto_without_checkpoints_starts_fresh(tmp_path, capsys):
     result = run(["--resume", "auto", "--max_steps", "3", "--warmup_steps", "1"], tmp_path)
     assert f"--resume auto: no checkpoint in {tmp_path}, starting from scratch" in capsys.readouterr().out
-    assert [r["step"] for r in result.records if "train_loss" in r] == [0, 1, 2]
+    assert [r["step"] for r in result.run.records if "train_loss" in r] == [0, 1, 2]
 
 
 def start_training(args, ignored_signal=None):
@@ -636,7 +636,7 @@ def test_resuming_with_another_schedule_says_how_the_learning_rate_jumps(tmp_pat
     assert (f"warning: the optimizer and schedule differ from the checkpoint's (--max_steps 4 -> 8): at step 4 the "
             f"learning rate goes on at {t.lr_at(4, new):.4e} instead of {t.lr_at(4, old):.4e}") in capsys.readouterr().out
     assert t.lr_at(4, old) == pytest.approx(3e-4)  # the minimum: the old run had ended
-    assert [r["lr"] for r in result.records if "lr" in r][0] == t.lr_at(4, new) > 6 * t.lr_at(4, old)
+    assert [r["lr"] for r in result.run.records if "lr" in r][0] == t.lr_at(4, new) > 6 * t.lr_at(4, old)
 
 
 def test_a_longer_schedule_whose_rate_stays_the_same_gives_no_warning(tmp_path, capsys):
@@ -647,7 +647,7 @@ def test_a_longer_schedule_whose_rate_stays_the_same_gives_no_warning(tmp_path, 
     capsys.readouterr()
     result = run(constant + ["--max_steps", "6", "--resume", "auto"], tmp_path)
     assert "warning" not in capsys.readouterr().out
-    assert [r["lr"] for r in result.records if "lr" in r] == [3e-3, 3e-3]
+    assert [r["lr"] for r in result.run.records if "lr" in r] == [3e-3, 3e-3]
 
 
 def test_ckpt_every_0_writes_no_checkpoint(tmp_path):
@@ -680,7 +680,7 @@ def test_resume_checks_a_model_field_a_hacker_adds_and_names_a_changed_flag_adde
     old = t.parse_args(EIGHT_STEPS + ["--warmup_steps", "1", "--max_steps", "4"])
     assert (f"warning: the optimizer and schedule differ from the checkpoint's (--max_steps 4 -> 8, --weight_decay "
             f"0.1 -> 0.0, --lr_floor 0.0 -> 1e-05): at step 4 the learning rate goes on at "
-            f"{resumed.records[0]['lr']:.4e} instead of {t.lr_at(4, old):.4e}") in capsys.readouterr().out
+            f"{resumed.run.records[0]['lr']:.4e} instead of {t.lr_at(4, old):.4e}") in capsys.readouterr().out
     monkeypatch.setattr(t, "GPTConfig", config_with(1))
     with pytest.raises(SystemExit) as stopped:
         run(["--max_steps", "12", "--resume", "auto"], tmp_path)

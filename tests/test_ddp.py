@@ -138,7 +138,7 @@ def test_batch_not_divisible_by_world_size_stops_every_rank_with_one_line(tmp_pa
         # one process (this one, meanwhile) trains on it: 3 micro-steps a step
         one = t.main(t.parse_args(flags[:-1] + [str(tmp_path / "one"), "--max_steps", "2"]))
         result = result.result()
-    assert [r["step"] for r in one.records if "train_loss" in r] == [0, 1]
+    assert [r["step"] for r in one.run.records if "train_loss" in r] == [0, 1]
     message = ("error: --total_batch_size 384 is not divisible by micro_batch_size x seq_len x processes "
                "= 4 x 32 x 2 = 256: use --micro_batch_size 3, the largest that divides it, or make --total_batch_size "
                "a multiple of it")

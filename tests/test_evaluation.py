@@ -176,7 +176,7 @@ def test_hellaswag_during_training_is_logged(tmp_path):
     path = write_hellaswag(tmp_path / "hs.jsonl", 3)
     result = t.main(t.parse_args(TINY_ARGS + ["--max_steps", "4", "--hellaswag_every", "2", "--hellaswag_path",
                                               str(path), "--log_dir", str(tmp_path / "log")]))
-    scored = [r for r in result.records if "hellaswag_acc_norm" in r]
+    scored = [r for r in result.run.records if "hellaswag_acc_norm" in r]
     assert [r["step"] for r in scored] == [1, 3]
     assert all(r["hellaswag_examples"] == 3 and r["hellaswag_acc"] in (0, 1 / 3, 2 / 3, 1) for r in scored)
 
@@ -451,7 +451,7 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer_and_data(one
     with torch.no_grad():  # one step: windows 0-7 of 32 tokens (text files are not shuffled)
         logits = source_logits(tokens[:256].view(8, 32))
         expected = F.cross_entropy(logits.flatten(0, 1), tokens[1:].view(-1)).item()
-    records = [r for r in t.main(cfg).records if "train_loss" in r]
+    records = [r for r in t.main(cfg).run.records if "train_loss" in r]
     assert [r["step"] for r in records] == [0, 1]
     assert records[0]["train_loss"] == pytest.approx(expected, abs=1e-5)
     assert [r["lr"] for r in records] == [t.lr_at(0, cfg), t.lr_at(1, cfg)] and records[0]["lr"] == 3e-5
@@ -460,7 +460,7 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer_and_data(one
     assert tuned.model.config.dropout == tuned.model.transformer.drop.p == 0.2
     saved = torch.load(tmp_path / "tune_dropout" / "ckpt_2.pt")
     assert saved["model_config"]["dropout"] == saved["config"]["dropout"] == 0.2
-    assert tuned.records[0]["train_loss"] != pytest.approx(expected, abs=1e-3)  # some activations were dropped
+    assert tuned.run.records[0]["train_loss"] != pytest.approx(expected, abs=1e-3)  # some activations were dropped
 
 
 def test_init_from_refuses_shape_flags(tmp_path, capsys):
@@ -665,7 +665,7 @@ def test_eval_only_on_a_runs_checkpoint_takes_its_batch_shape_and_without_hellas
                         "--log_dir", str(tmp_path / "eval")])
     assert (cfg.seq_len, cfg.micro_batch_size, cfg.total_batch_size, cfg.eval_steps) == (32, 4, 256, 2)  # its
     result = t.main(cfg)
-    val_loss = [r["val_loss"] for r in trained.records if "val_loss" in r][-1]
+    val_loss = [r["val_loss"] for r in trained.run.records if "val_loss" in r][-1]
     assert result == {"val_loss": val_loss}  # the same weights on the same windows
     assert capsys.readouterr().out == (
         f"val loss {val_loss:.4f} over 2 x 256 tokens | HellaSwag skipped: could not download http://127.0.0.1:9/hellaswag_val.jsonl "
@@ -676,7 +676,7 @@ def test_eval_only_on_a_runs_checkpoint_takes_its_batch_shape_and_without_hellas
     tuned = t.main(t.parse_args(["--init_from", str(checkpoint), "--max_steps", "1", "--warmup_steps", "0",
                                  "--eval_every", "0", "--sample_every", "0", "--device", "cpu", "--text_file",
                                  TINY_ARGS[TINY_ARGS.index("--text_file") + 1], "--log_dir", str(tmp_path / "tuned")]))
-    assert len([r for r in tuned.records if "train_loss" in r]) == 1
+    assert len([r for r in tuned.run.records if "train_loss" in r]) == 1
     assert f"train tokens; flags not given: {checkpoint}'s seq_len, batch sizes, eval_steps\n" in capsys.readouterr().out
 
 
@@ -708,14 +708,14 @@ def test_the_weights_a_run_scores_are_those_eval_only_generate_and_export_hf_rea
     assert not torch.equal(checkpoint["model"]["lm_head.weight"], checkpoint["trained_model"]["lm_head.weight"])
     run_mode = ["--init_from", str(final), "--text_file", str(SHAKESPEARE), "--device", "cpu"]
     scored = t.main(t.parse_args(["--eval_only", "--log_dir", str(tmp_path / "eval")] + run_mode))
-    assert scored == {"val_loss": [r["val_loss"] for r in straight.records if "val_loss" in r][-1]}  # its EMA's
+    assert scored == {"val_loss": [r["val_loss"] for r in straight.run.records if "val_loss" in r][-1]}  # its EMA's
     for mode in (["--generate"], ["--export_hf", str(tmp_path / "hf")]):  # both read --init_from's weights here
         _, weights = t.CheckedRun(t.parse_args(mode + run_mode)).initial_weights()
         assert all(torch.equal(weights[name], weight) for name, weight in checkpoint["model"].items()), mode
     t.main(t.parse_args(flags + ["--stop_after_steps", "3", "--log_dir", str(tmp_path / "resumed")]))
     resumed = t.main(t.parse_args(flags + ["--resume", "auto", "--log_dir", str(tmp_path / "resumed")]))
     def losses(result):  # from step 3 on: the val loss, the EMA's, is right only if resume restored it
-        return [(r["step"], r.get("train_loss"), r.get("val_loss")) for r in result.records if r.get("step", -1) >= 3]
+        return [(r["step"], r.get("train_loss"), r.get("val_loss")) for r in result.run.records if r.get("step", -1) >= 3]
     assert len(losses(resumed)) == 4 and losses(resumed) == losses(straight)
     for key in ("model", "trained_model"):
         assert all(torch.equal(weight, torch.load(tmp_path / "resumed" / "ckpt_6.pt", weights_only=True)[key][name])

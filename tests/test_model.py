@@ -507,8 +507,8 @@ def test_resuming_goes_on_exactly_as_a_run_never_stopped(one_thread, tmp_path):
     straight = train("straight")
     train("resumed", "--stop_after_steps", "2")
     resumed = train("resumed", "--resume", "auto")
-    assert [r["train_loss"] for r in resumed.records if "train_loss" in r] == \
-        [r["train_loss"] for r in straight.records if "train_loss" in r][2:]
+    assert [r["train_loss"] for r in resumed.run.records if "train_loss" in r] == \
+        [r["train_loss"] for r in straight.run.records if "train_loss" in r][2:]
     for (name, parameter), resumed_parameter in zip(straight.model.named_parameters(), resumed.model.parameters(),
                                                     strict=True):
         torch.testing.assert_close(resumed_parameter, parameter, rtol=0, atol=0, msg=named(name))

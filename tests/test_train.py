@@ -19,7 +19,7 @@ def run(args, tmp_path, name="log"):
 
 
 def train_losses(result):
-    return [r["train_loss"] for r in result.records if "train_loss" in r]
+    return [r["train_loss"] for r in result.run.records if "train_loss" in r]
 
 
 def test_twenty_steps_on_tiny_shakespeare_lower_the_loss(tmp_path):
@@ -41,7 +41,7 @@ def test_metrics_file_holds_every_record_and_a_summary(tmp_path):
     result = run(["--max_steps", "6", "--eval_every", "3", "--eval_steps", "2"], tmp_path)
     lines = (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()
     first, *rest = [json.loads(line) for line in lines]
-    assert rest == result.records
+    assert rest == result.run.records
     # first, what the run is (issue 62): every flag, the versions, the device, the code's sha256
     assert first["run"] == {"flags": first["run"]["flags"], "resumed_at": None, "torch": torch.__version__,
                             "numpy": np.__version__, "tiktoken": importlib.metadata.version("tiktoken"), "device": "cpu",
@@ -50,12 +50,12 @@ def test_metrics_file_holds_every_record_and_a_summary(tmp_path):
     assert first["run"]["flags"] == dataclasses.asdict(dataclasses.replace(
         t.parse_args(TINY_ARGS + ["--max_steps", "6", "--eval_every", "3", "--eval_steps", "2", "--log_dir",
                                   str(tmp_path / "log")]), dtype="float32", compile=False, vocab_size=50304))
-    assert [r["step"] for r in result.records if "val_loss" in r] == [-1, 2, 5]  # -1: before training
-    train_records = [r for r in result.records if "train_loss" in r]
+    assert [r["step"] for r in result.run.records if "val_loss" in r] == [-1, 2, 5]  # -1: before training
+    train_records = [r for r in result.run.records if "train_loss" in r]
     assert [r["step"] for r in train_records] == [0, 1, 2, 3, 4, 5]
     assert [r["lr"] for r in train_records] == [t.lr_at(s, t.parse_args(TINY_ARGS + ["--max_steps", "6"]))
                                                 for s in range(6)]
-    summary = result.records[-1]["summary"]
+    summary = result.run.records[-1]["summary"]
     assert summary["timed_steps"] == 3  # the first 3 steps are left out of the median
     assert summary["median_tokens_per_s"] == pytest.approx(256 * 1000 / summary["median_ms"])
     assert "mfu" not in summary  # MFU is reported on CUDA only
@@ -94,14 +94,14 @@ def test_epoch_rollover_is_logged_and_training_goes_on(tmp_path, capsys):
     windows = (train_tokens - 1) // 32
     assert windows == 14  # 8 windows a step: epoch 1 begins during step 1, epoch 2 during step 3
     result = run(["--max_steps", "5", "--text_file", str(text)], tmp_path)
-    assert [(r["step"], r["epoch"]) for r in result.records if "epoch" in r] == [(1, 1), (3, 2)]
+    assert [(r["step"], r["epoch"]) for r in result.run.records if "epoch" in r] == [(1, 1), (3, 2)]
     assert len(train_losses(result)) == 5
     assert "step     1/5 | epoch 1 begins: all 14 training windows were used, starting again" in capsys.readouterr().out
 
 
 def test_val_loss_is_the_mean_over_the_first_eval_batches(tmp_path):
     result = run(["--max_steps", "3", "--eval_every", "3", "--eval_steps", "2"], tmp_path)
-    logged = [r["val_loss"] for r in result.records if "val_loss" in r]
+    logged = [r["val_loss"] for r in result.run.records if "val_loss" in r]
     cfg = t.parse_args(TINY_ARGS)
     _, val = t.CheckedRun(cfg).token_streams()
     # 2 steps of 256 tokens: windows 0-3 of 4 x 32 tokens each, from the first validation token
@@ -196,7 +196,7 @@ def test_cuda_summary_has_mfu_and_both_memory_peaks(monkeypatch, tmp_path, capsy
     # what start() and log_step() would have kept: the steps' times, the FLOPs of a step
     log.step_ms, log.flops_per_step = [5000.0, 3000.0, 2000.0, 1100.0, 1000.0, 1200.0], 860e6 * 524_288
     log.summary()
-    assert log.records == [{"summary": {"timed_steps": 3, "median_ms": 1100.0, "median_tokens_per_s": 524_288 / 1.1,
+    assert log.run.records == [{"summary": {"timed_steps": 3, "median_ms": 1100.0, "median_tokens_per_s": 524_288 / 1.1,
                                         "peak_memory_gib": 25.0, "peak_reserved_gib": 27.5,
                                         "mfu": pytest.approx(860e6 * 524_288 / 1.1 / 989e12)}}]
     assert capsys.readouterr().out == (
@@ -382,10 +382,10 @@ def test_a_fresh_run_logs_the_val_loss_before_step_0_and_a_resumed_one_does_not(
     val_loader = t.DataLoader(val_tokens, cfg.micro_batch_size, cfg.seq_len, 0, 1, shuffle=False, seed=cfg.seed)
     expected = t.estimate_val_loss(untrained, val_loader, 1, t.grad_accum_steps(cfg, 1), "cpu",
                                    contextlib.nullcontext, t.Launch())
-    assert [(r["step"], r["val_loss"]) for r in first.records if "val_loss" in r][0] == (-1, expected)
+    assert [(r["step"], r["val_loss"]) for r in first.run.records if "val_loss" in r][0] == (-1, expected)
     assert f"step    -1/2 | val loss {expected:.6f}\n" in capsys.readouterr().out
     resumed = run(["--max_steps", "4", "--eval_every", "2", "--eval_steps", "1", "--resume", "auto"], tmp_path)
-    assert [r["step"] for r in resumed.records if "val_loss" in r] == [3]  # not -1 again
+    assert [r["step"] for r in resumed.run.records if "val_loss" in r] == [3]  # not -1 again
     kept = [json.loads(line) for line in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in kept if "val_loss" in r] == [-1, 1, 3]
 
@@ -454,7 +454,7 @@ def test_an_edit_that_reaches_one_path_alone_stops_before_step_0_naming_where_th
     monkeypatch.setattr(t, "visible", window)
     t.visible_is_causal.cache_clear()
     try:
-        assert len([r for r in run(["--max_steps", "2"], tmp_path, "right").records if "train_loss" in r]) == 2
+        assert len([r for r in run(["--max_steps", "2"], tmp_path, "right").run.records if "train_loss" in r]) == 2
     finally:
         t.visible_is_causal.cache_clear()
 
@@ -524,7 +524,7 @@ def test_each_step_line_ends_with_the_time_left_and_the_start_line_counts_in_sin
     out = capsys.readouterr().out
     assert "= 1 micro-step x 1 process x 4 x 32;" in out and ", 1 process;" in out
     lefts = re.findall(r"^step +\d+/3 \| .* tok/s \| (\S+) left$", out, re.M)
-    ms = [r["ms"] for r in result.records if "ms" in r]
+    ms = [r["ms"] for r in result.run.records if "ms" in r]
     assert lefts == [str(datetime.timedelta(seconds=round(float(np.median(ms[: i + 1])) / 1000 * (2 - i))))
                      for i in range(3)] and lefts[-1] == "0:00:00"
     run(["--max_steps", "2"], tmp_path, "two")

@@ -36,11 +36,11 @@ def test_another_tokenizer_trains_on_text_samples_evaluates_and_exports_as_itsel
     assert torch.load(log_dir / "ckpt_3.pt", weights_only=True)["n_vocab"] == 120_257
     text = t.CheckedRun(t.TrainConfig(device="cpu")).text_tokens(str(SHAKESPEARE))
     assert text.dtype == np.uint32 and text[:4].tolist() == moved.encode_ordinary(SHAKESPEARE.read_text()[:15])[:4]
-    assert [r["hellaswag_examples"] for r in result.records if "hellaswag_examples" in r] == [3]
+    assert [r["hellaswag_examples"] for r in result.run.records if "hellaswag_examples" in r] == [3]
     samples = t.generate(result.model, [], 16, t.kv_caches(result.model), num_samples=4, seed=1)
     assert all(0 <= token < 120_257 for sample in samples for token in sample), samples  # no padding row
     capsys.readouterr()
-    last_val = [r["val_loss"] for r in result.records if "val_loss" in r][-1]
+    last_val = [r["val_loss"] for r in result.run.records if "val_loss" in r][-1]
     scored = t.main(t.parse_args(SHORT + ["--eval_only", "--init_from", str(log_dir / "ckpt_3.pt"), "--eval_steps",
                                           "1", "--hellaswag_path", str(hellaswag)]))
     assert scored["val_loss"] == pytest.approx(last_val, rel=1e-6) and scored["hellaswag_examples"] == 3
@@ -65,7 +65,7 @@ def test_another_tokenizer_trains_on_fineweb_shards_of_its_ids(moved, tmp_path):
     assert shard.dtype == np.uint32 and shard.max() < 120_257 and (shard == 120_256).sum() > 0
     args = SHORT[: SHORT.index("--text_file")] + SHORT[SHORT.index("--text_file") + 2:]
     result = t.main(t.parse_args(args + ["--data_dir", str(tmp_path / "shards"), "--log_dir", str(tmp_path / "log")]))
-    assert [r["step"] for r in result.records if "train_loss" in r] == [0, 1, 2]
+    assert [r["step"] for r in result.run.records if "train_loss" in r] == [0, 1, 2]
 
 
 def test_a_checkpoint_of_another_vocabulary_is_refused_naming_both_sizes(tmp_path, monkeypatch, capsys):
