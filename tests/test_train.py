@@ -196,7 +196,7 @@ def test_cuda_summary_has_mfu_and_both_memory_peaks(monkeypatch, tmp_path, capsy
     # what start() and log_step() would have kept: the steps' times, the FLOPs of a step
     log.step_ms, log.flops_per_step = [5000.0, 3000.0, 2000.0, 1100.0, 1000.0, 1200.0], 860e6 * 524_288
     log.summary()
-    assert log.run.records == [{"summary": {"timed_steps": 3, "median_ms": 1100.0, "median_tokens_per_s": 524_288 / 1.1,
+    assert log.records == [{"summary": {"timed_steps": 3, "median_ms": 1100.0, "median_tokens_per_s": 524_288 / 1.1,
                                         "peak_memory_gib": 25.0, "peak_reserved_gib": 27.5,
                                         "mfu": pytest.approx(860e6 * 524_288 / 1.1 / 989e12)}}]
     assert capsys.readouterr().out == (
