@@ -1,6 +1,6 @@
-"""The recipe alone (issue 60): train_gpt2.py cut at its "# ====" banner trains, evaluates, samples,
-checkpoints and resumes, on one process and under torchrun, with the full script's numbers; and the
-one cross-entropy keeps validation's memory down with --loss_chunk_size."""
+"""The recipe alone (issues 60 and 70): train_gpt2.py cut at its "# ====" banner trains, evaluates, samples,
+checkpoints and resumes, on one process and under torchrun, with the full script's numbers, and joins and leaves
+its process group; and --loss_chunk_size, which wraps the recipe's cross-entropy, keeps validation's memory down."""
 
 import concurrent.futures
 import json
@@ -73,20 +73,19 @@ def as_flags(config):
 @pytest.fixture(scope="module")
 def alone_and_full(tmp_path_factory):
     """The recipe alone and the full script, on one config with evaluation, HellaSwag, samples and checkpoints on,
-    started together (one core each); the recipe's process then runs that config again, stopped after 3 steps by
-    --stop_after_steps. (folder, config, alone's output, full's result, the stopped run's output)."""
+    started together (one core each). (folder, config, alone's output, full's result)."""
     tmp_path = tmp_path_factory.mktemp("recipe")
     folder, hellaswag = recipe_folder(tmp_path), hellaswag_file(tmp_path)
     config = {**TINY, "hellaswag_path": hellaswag, "log_dir": str(tmp_path / "alone")}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         full = pool.submit(run_script, as_flags({**config, "log_dir": str(tmp_path / "full")}),
                            {"OMP_NUM_THREADS": "1"})
-        alone, first = run_recipe(folder, config, {**config, "log_dir": str(tmp_path / "parts"), "stop_after_steps": 3})
-        return folder, config, alone, full.result(), first
+        [alone] = run_recipe(folder, config)
+        return folder, config, alone, full.result()
 
 
 def test_the_recipe_alone_trains_evaluates_samples_and_resumes_with_the_full_scripts_numbers(alone_and_full):
-    folder, config, alone, full, first = alone_and_full
+    folder, config, alone, full = alone_and_full
     assert full.returncode == 0, full.stderr[-3000:]
     assert len(numbers(alone)) == 1 + 6 + 3 + 2  # val loss at -1, 6 steps, 3 val losses, 2 HellaSwag
     assert numbers(alone) == numbers(full.stdout)
@@ -94,34 +93,41 @@ def test_the_recipe_alone_trains_evaluates_samples_and_resumes_with_the_full_scr
     log_dir = config["log_dir"]
     assert sorted(p.name for p in Path(log_dir).iterdir()) == ["ckpt_2.pt", "ckpt_4.pt", "ckpt_6.pt"]
 
-    # stopped after 3 steps by --stop_after_steps, then resumed from its checkpoint in a new process: the same numbers
-    assert "stopped by --stop_after_steps 3 after step 2, checkpoint" in first
+    # resumed from its step-4 checkpoint in a new process: steps 4 and 5, their evaluations, the same numbers
     parts = Path(log_dir).parent / "parts"
-    [rest] = run_recipe(folder, {**config, "log_dir": str(parts), "resume": str(parts / "ckpt_3.pt")})
-    assert "resumed from step 3" in rest
-    assert numbers(first) + numbers(rest) == numbers(alone)
+    [rest] = run_recipe(folder, {**config, "log_dir": str(parts), "resume": str(Path(log_dir) / "ckpt_4.pt")})
+    assert "resumed from step 4" in rest
+    assert numbers(rest) == numbers(alone)[-4:] and len(numbers(rest)) == 2 + 1 + 1
 
 
 def test_the_recipe_alone_under_torchrun_on_2_processes_gives_the_losses_of_1(alone_and_full):
     """The first test's config, HellaSwag and the sample included, on 2 processes: the numbers of 1."""
-    folder, config, alone, _, _ = alone_and_full
+    folder, config, alone, _ = alone_and_full
     [two] = run_recipe(folder, {**config, "log_dir": str(Path(config["log_dir"]).parent / "two")}, processes=2)
     assert len(numbers(alone)) == 1 + 6 + 3 + 2 and numbers(two) == numbers(alone)
 
 
-def test_the_recipe_leaves_its_process_group_after_a_barrier(monkeypatch):
-    """Under torchrun the recipe's Run leaves the group as main() does: all ranks together (a barrier), then
-    destroy_process_group."""
+def test_the_recipe_joins_its_process_group_and_leaves_it_after_a_barrier(tmp_path, monkeypatch):
+    """train(cfg) with torchrun's variables (one process, a real gloo group) joins the group itself and leaves it as
+    main() does: all ranks together (a barrier), then destroy_process_group (a group left to Python's exit aborted)."""
+    import socket
+
     import torch.distributed as dist
 
     import train_gpt2 as t
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    for name, value in {"RANK": 0, "LOCAL_RANK": 0, "WORLD_SIZE": 1, "LOCAL_WORLD_SIZE": 1,
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}.items():
+        monkeypatch.setenv(name, str(value))
     calls = []
-    monkeypatch.setattr(dist, "barrier", lambda: calls.append("barrier"))
-    monkeypatch.setattr(dist, "destroy_process_group", lambda: calls.append("destroy"))
-    run = t.Run.__new__(t.Run)  # one that joined the group itself, as train(cfg) under torchrun
-    run.owns_group = True
-    run.finish(start_step=0)
-    assert calls == ["barrier", "destroy"]
+    for name in ("barrier", "destroy_process_group"):
+        monkeypatch.setattr(dist, name, lambda real=getattr(dist, name), name=name: (calls.append(name), real())[1])
+    config = {**TINY, "max_steps": 1, "eval_every": 0, "sample_every": 0, "ckpt_every": 0, "hellaswag_every": 0}
+    result = t.train(t.TrainConfig(**config, log_dir=str(tmp_path)))
+    assert calls == ["barrier", "destroy_process_group"] and not dist.is_initialized()
+    assert [r["step"] for r in result.run.records] == [0]
 
 
 def peak_memory_gib(tmp_path, *flags):
