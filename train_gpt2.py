@@ -632,33 +632,6 @@ class UnavailableError(RunError):
     """An input that cannot be had (a failed download, HellaSwag longer than the model):
     --eval_only goes on without HellaSwag, saying why."""
 
-# ------------------------------ the options' flags
-MODEL_SHAPES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M; then 350M, 774M, 1558M
-                "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
-                "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
-                "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600)}
-
-@dataclasses.dataclass
-class Config(TrainConfig):
-    """The recipe's flags and the options' (each hooked in by CheckedRun), the run modes'."""
-    model: str = flag("gpt2", "gpt2, gpt2-medium, -large or -xl shape", "model", list(MODEL_SHAPES))
-    shuffle: bool = flag(False, "a new seeded window order each epoch (off: in order)", "data")
-    optimizer: str = flag("adamw", "muon: for the blocks' matrices; AdamW the rest", "optimizer",
-                          ["adamw", "muon"])
-    loss_chunk_size: int = flag(0, "loss N tokens at a time (less memory); 0: off", "runtime")
-    recompute: bool = flag(False, "recompute activations in backward (less memory)", "runtime")
-    shard_optimizer: bool = flag(False, "torchrun: share the optimizer state (ZeRO-1)", "runtime")
-    peak_tflops: float | None = flag(None, "a GPU's peak TFLOP/s, for MFU (default: the machine "
-                                     "picks)", "runtime")
-    tensorboard: bool = flag(False, "also write the figures for TensorBoard", "logging")
-    init_from: str = flag("", "start from gpt2, gpt2-medium, -large, -xl or a ckpt", "run modes")
-    eval_only: bool = flag(False, "print the val loss and HellaSwag accuracy, exit", "run modes")
-    generate: bool = flag(False, "print --num_samples continuations of --prompt, exit", "run modes")
-    kv_cache: bool = flag(True, "generate with a key/value cache (faster)", "run modes")
-    export_hf: str = flag("", "write --init_from as a transformers model here, exit", "run modes")
-    keep_ckpts: int = flag(2, "keep the N newest checkpoints; 0: all", "checkpoints")
-    stop_after_steps: int = flag(0, "end with a checkpoint after N steps; 0: never", "checkpoints")
-
 # ------------------------------ main and the command line
 @record  # torchrun's summary names the failing rank
 def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str:
@@ -713,7 +686,7 @@ def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str
         sys.exit(status)
     return result
 
-def parse_args(argv: list[str]) -> Config:
+def parse_args(argv: list[str]) -> "Config":
     """A --flag per Config field; --model and --init_from fill in flags not given."""
     parser = _OneLineErrorParser(
         description="Pretrain GPT-2 (defaults: the 124M recipe on GPUs).", usage="%(prog)s [flags]",
@@ -745,6 +718,32 @@ def parse_args(argv: list[str]) -> Config:
     taken |= {name: run_config[name] for name in run_config.keys() - given if name in (
         "seq_len", "micro_batch_size", "total_batch_size", "eval_steps")}
     return dataclasses.replace(cfg, **taken)  # the start line and --eval_only's line say so
+
+MODEL_SHAPES = {"gpt2": dict(n_layer=12, n_head=12, n_embd=768),  # 124M; then 350M, 774M, 1558M
+                "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+                "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
+                "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600)}
+
+@dataclasses.dataclass
+class Config(TrainConfig):
+    """The recipe's flags and the options' (each hooked in by CheckedRun), the run modes'."""
+    model: str = flag("gpt2", "gpt2, gpt2-medium, -large or -xl shape", "model", list(MODEL_SHAPES))
+    shuffle: bool = flag(False, "a new seeded window order each epoch (off: in order)", "data")
+    optimizer: str = flag("adamw", "muon: for the blocks' matrices; AdamW the rest", "optimizer",
+                          ["adamw", "muon"])
+    loss_chunk_size: int = flag(0, "loss N tokens at a time (less memory); 0: off", "runtime")
+    recompute: bool = flag(False, "recompute activations in backward (less memory)", "runtime")
+    shard_optimizer: bool = flag(False, "torchrun: share the optimizer state (ZeRO-1)", "runtime")
+    peak_tflops: float | None = flag(None, "a GPU's peak TFLOP/s, for MFU (default: the machine "
+                                     "picks)", "runtime")
+    tensorboard: bool = flag(False, "also write the figures for TensorBoard", "logging")
+    init_from: str = flag("", "start from gpt2, gpt2-medium, -large, -xl or a ckpt", "run modes")
+    eval_only: bool = flag(False, "print the val loss and HellaSwag accuracy, exit", "run modes")
+    generate: bool = flag(False, "print --num_samples continuations of --prompt, exit", "run modes")
+    kv_cache: bool = flag(True, "generate with a key/value cache (faster)", "run modes")
+    export_hf: str = flag("", "write --init_from as a transformers model here, exit", "run modes")
+    keep_ckpts: int = flag(2, "keep the N newest checkpoints; 0: all", "checkpoints")
+    stop_after_steps: int = flag(0, "end with a checkpoint after N steps; 0: never", "checkpoints")
 
 def init_from_settings(init_from) -> tuple[dict, dict]:
     """--init_from's (model config, run config), as far as a quick read finds them."""
@@ -1509,44 +1508,6 @@ def pack_hellaswag(batches: list[tuple], max_tokens) -> list[tuple]:
              pad([row for _, mask, _ in group for row in mask]),
              torch.cat([labels for _, _, labels in group])) for group in groups]
 
-class KVCache:
-    """One layer's keys and values while generating, for all block_size positions, as attention
-    makes them, and their tokens for visible(): every one-token step has the same shapes."""
-
-    def __init__(self, block_size: int):
-        self.block_size, self.keys, self.values, self.tokens = block_size, None, None, None
-
-    def update(self, positions, tokens, k, v) -> tuple:
-        """Write k, v (B, heads, T, head_dim) and tokens (B, T) at positions (T,); return all keys,
-        values (B, heads, block_size, head_dim), tokens (B, block_size) and their positions."""
-        def write(old, new, dim):  # dim: the positions'
-            shape = (*new.shape[:dim], self.block_size, *new.shape[dim + 1 :])
-            if old is None or (old.shape, old.dtype) != (shape, new.dtype):
-                old = new.new_zeros(shape)  # not empty: a masked 0 x NaN would be NaN
-            return old.index_copy_(dim, positions, new)
-        self.keys, self.values = write(self.keys, k, 2), write(self.values, v, 2)
-        self.tokens = write(self.tokens, tokens, 1)
-        return self.keys, self.values, self.tokens, torch.arange(self.block_size, device=k.device)
-
-def kv_caches(model: GPT) -> list[KVCache]:
-    return [KVCache(model.config.block_size) for _ in model.transformer.h]
-
-class CachedNextToken:
-    """generate()'s next_token with a KV cache a layer: only the tokens the caches lack run, the
-    prompt's at first, then the newest alone (step: sample_next, or a compiled copy). Once the
-    window slides past block_size, it rereads the window as the recipe does."""
-
-    def __init__(self, caches: list[KVCache], step=sample_next):
-        self.caches, self.step, self.length = caches, step, 0  # tokens the caches hold
-
-    def __call__(self, model, window, noise, temperature, n_vocab):
-        if window.size(1) <= self.length:  # slid: no cache holds its positions
-            return sample_next(model, window, noise, temperature, n_vocab)
-        fresh = torch.arange(self.length, window.size(1), device=window.device)  # positions
-        step = self.step if self.length else sample_next  # the prompt's pass: eager
-        self.length = window.size(1)
-        return step(model, window[:, fresh], noise, temperature, n_vocab, self.caches, fresh)
-
 def gather(value, launch: Launch) -> list:
     """Every rank's value (any picklable), in rank order, on every rank."""
     values = [value] * launch.world_size
@@ -1584,6 +1545,28 @@ def check_paths_agree(model: GPT, device):
         i = int(parted.nonzero()[0])
         raise RunError(f"the logits of training's forward and of {paths[i >= first_step]} differ "
                        f"at position {i} by {difference[i]:.3g}: {edit}")
+
+def kv_caches(model: GPT) -> list[KVCache]:
+    return [KVCache(model.config.block_size) for _ in model.transformer.h]
+
+class KVCache:
+    """One layer's keys and values while generating, for all block_size positions, as attention
+    makes them, and their tokens for visible(): every one-token step has the same shapes."""
+
+    def __init__(self, block_size: int):
+        self.block_size, self.keys, self.values, self.tokens = block_size, None, None, None
+
+    def update(self, positions, tokens, k, v) -> tuple:
+        """Write k, v (B, heads, T, head_dim) and tokens (B, T) at positions (T,); return all keys,
+        values (B, heads, block_size, head_dim), tokens (B, block_size) and their positions."""
+        def write(old, new, dim):  # dim: the positions'
+            shape = (*new.shape[:dim], self.block_size, *new.shape[dim + 1 :])
+            if old is None or (old.shape, old.dtype) != (shape, new.dtype):
+                old = new.new_zeros(shape)  # not empty: a masked 0 x NaN would be NaN
+            return old.index_copy_(dim, positions, new)
+        self.keys, self.values = write(self.keys, k, 2), write(self.values, v, 2)
+        self.tokens = write(self.tokens, tokens, 1)
+        return self.keys, self.values, self.tokens, torch.arange(self.block_size, device=k.device)
 
 # ------------------------------ reading the inputs
 def check_token_counts(streams, cfg, with_val):
@@ -1914,6 +1897,22 @@ def generate_samples(cfg, device):
           f"{count_parameters(model):,} parameters), after an untimed warm-up of "
           f"{GENERATE_WARMUP_TOKENS} tokens a sample: {warm_up_s:.2f} s", flush=True)
     return texts
+
+class CachedNextToken:
+    """generate()'s next_token with a KV cache a layer: only the tokens the caches lack run, the
+    prompt's at first, then the newest alone (step: sample_next, or a compiled copy). Once the
+    window slides past block_size, it rereads the window as the recipe does."""
+
+    def __init__(self, caches: list[KVCache], step=sample_next):
+        self.caches, self.step, self.length = caches, step, 0  # tokens the caches hold
+
+    def __call__(self, model, window, noise, temperature, n_vocab):
+        if window.size(1) <= self.length:  # slid: no cache holds its positions
+            return sample_next(model, window, noise, temperature, n_vocab)
+        fresh = torch.arange(self.length, window.size(1), device=window.device)  # positions
+        step = self.step if self.length else sample_next  # the prompt's pass: eager
+        self.length = window.size(1)
+        return step(model, window[:, fresh], noise, temperature, n_vocab, self.caches, fresh)
 
 GENERATE_WARMUP_TOKENS = 3  # --generate's untimed first call
 # cuDNN's attention plans anew for each length (the prompt's, each window's): 64 tokens/s at 124M
