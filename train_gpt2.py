@@ -62,7 +62,7 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:  # generating: all keys, values and tokens so far, and their positions
             k, v, tokens, key_positions = cache.update(positions, tokens, k, v)
         # softmax(q k^T / sqrt(head_dim)) v in one kernel; fused_causal: SDPA's causal kernel
-        # makes the mask itself (flash attention on a GPU), the same numbers, faster
+        # makes the mask itself (flash attention on a GPU): the same attention, faster
         mask = None if fused else visible(positions, key_positions, tokens)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=fused,
                                            dropout_p=self.dropout if self.training else 0.0)
