@@ -73,7 +73,7 @@ def made_up_examples(count, seed=0):
 
 def one_ending_at_a_time(model, example):
     """(ending with the lowest summed loss, with the lowest mean loss), each ending scored alone and unpadded from
-    the model's full logits: nothing shared with hellaswag_choices but the model."""
+    the model's full logits: nothing shared with evaluate_hellaswag but the model."""
     context = TOKENIZER.encode_ordinary(example["ctx"])
     sums, means = [], []
     with torch.no_grad():
