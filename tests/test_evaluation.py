@@ -1,6 +1,5 @@
 """HellaSwag, OpenAI's weights, generation with a KV cache, export to transformers."""
 
-import contextlib
 import copy
 import json
 import os
@@ -15,12 +14,13 @@ import torch
 import torch.nn.functional as F
 
 import train_gpt2 as t
-from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, run_script, single_thread
+from conftest import ROOT, SHAKESPEARE, TINY_ARGS, run_script, single_thread
 from test_cli import error_line_in_process
 from test_ddp import torchrun
 from test_model import document_mask, visible_as
 
 TOKENIZER = t.CheckedRun.tokenizer()
+CPU_FLOAT32 = t.TrainConfig(device="cpu", dtype="float32")  # evaluate_hellaswag's device, without autocast
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_render_hellaswag_exact_tokens_and_mask():
         context + [3290, 8591, 8591, 8591, 8591],  # " dog la la la la"
     ]
     assert mask.tolist() == [[0] * 5 + m for m in ([1, 1, 0, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [1] * 5)]
-    assert label == 0
+    assert label.tolist() == [0]  # a batch of one example
 
 
 def made_up_examples(count, seed=0):
@@ -73,14 +73,14 @@ def made_up_examples(count, seed=0):
 
 def one_ending_at_a_time(model, example):
     """(ending with the lowest summed loss, with the lowest mean loss), each ending scored alone and unpadded from
-    the model's full logits: nothing shared with hellaswag_choices but the model."""
+    the model's full logits: nothing shared with evaluate_hellaswag but the model."""
     context = TOKENIZER.encode_ordinary(example["ctx"])
     sums, means = [], []
     with torch.no_grad():
         for ending in example["endings"]:
             ending_tokens = TOKENIZER.encode_ordinary(" " + ending)
             row = torch.tensor([context + ending_tokens])
-            losses = F.cross_entropy(model(row)[0][0, :-1], row[0, 1:], reduction="none")[len(context) - 1 :]
+            losses = F.cross_entropy(model(row)[0, :-1], row[0, 1:], reduction="none")[len(context) - 1 :]
             assert len(losses) == len(ending_tokens)
             sums.append(losses.sum().item())
             means.append(losses.mean().item())
@@ -102,7 +102,7 @@ def test_batched_scores_equal_each_ending_scored_alone():
         labelled = [{**example, "label": choices[labelled_by]} for example, choices in zip(examples, expected, strict=True)]
         batches = t.pack_hellaswag([t.render_hellaswag(example, TOKENIZER) for example in labelled], max_tokens=300)
         assert len(batches) > 4 and max(len(labels) for _, _, labels in batches) > 2  # really in batches
-        assert t.evaluate_hellaswag(model, batches, "cpu", contextlib.nullcontext, t.Launch()) == {
+        assert t.evaluate_hellaswag(model, batches, CPU_FLOAT32, t.Launch()) == {
             "hellaswag_examples": 24, **scores}
 
 
@@ -146,7 +146,7 @@ def test_acc_by_summed_loss_and_acc_norm_by_mean_loss_differ():
     endings = ["dog", "dog dog dog", "dog la la la la", "dog dog dog dog dog dog"]
     examples = [{"ctx": "The cat sat on the", "endings": endings, "label": label} for label in (0, 0, 2)]
     batches = t.pack_hellaswag([t.render_hellaswag(example, TOKENIZER) for example in examples], max_tokens=1024)
-    scores = t.evaluate_hellaswag(easy_la_model(), batches, "cpu", contextlib.nullcontext, t.Launch())
+    scores = t.evaluate_hellaswag(easy_la_model(), batches, CPU_FLOAT32, t.Launch())
     assert scores == {"hellaswag_examples": 3, "hellaswag_acc": 2 / 3, "hellaswag_acc_norm": 1 / 3}
 
 
@@ -254,7 +254,7 @@ def test_openai_weights_through_transformers_give_the_same_logits():
     ours.load_state_dict(t.state_from_openai(hf_model.state_dict()))
     idx = torch.randint(0, 64, (3, 16))
     with torch.no_grad():
-        torch.testing.assert_close(ours(idx)[0], hf_model(idx).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ours(idx), hf_model(idx).logits, rtol=0, atol=1e-5)
 
 
 def test_init_from_without_transformers_says_how_to_get_it(tmp_path):
@@ -299,7 +299,7 @@ def test_export_hf_gives_transformers_the_same_model_and_tokenizer(one_thread, t
     greedy = prompt + []
     with torch.no_grad():
         for _ in range(5):
-            greedy.append(int(trained.eval()(torch.tensor([greedy]))[0][0, -1, :50257].argmax()))
+            greedy.append(int(trained.eval()(torch.tensor([greedy]))[0, -1, :50257].argmax()))
     generated = generator("ROMEO:", max_new_tokens=5, do_sample=False)[0]["generated_text"]
     assert generated == TOKENIZER.decode(greedy)
     hf_model = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf")
@@ -307,7 +307,7 @@ def test_export_hf_gives_transformers_the_same_model_and_tokenizer(one_thread, t
     assert hf_model.lm_head.weight.data_ptr() == hf_model.transformer.wte.weight.data_ptr()  # still tied
     idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ours = trained.eval()(idx)[0][..., :50257]
+        ours = trained.eval()(idx)[..., :50257]
         torch.testing.assert_close(hf_model.eval()(idx).logits, ours, rtol=0, atol=1e-5)
         torch.testing.assert_close(hf_model.train()(idx).logits, ours, rtol=0, atol=1e-5)  # no dropout either
 
@@ -403,8 +403,7 @@ def test_init_from_our_checkpoint_and_generate(one_thread, three_steps, tmp_path
     args = ["--init_from", str(tmp_path / "trained" / "ckpt_3.pt"), "--generate", "--device", "cpu", "--num_samples",
             "2", "--log_dir", str(tmp_path / "generate"), "--max_new_tokens", "5"]
     texts = t.main(t.parse_args(args))
-    expected = t.generate(trained, TOKENIZER.encode_ordinary("Hello, I'm a language model,"), 5,
-                          t.kv_caches(trained), 2, 1.0, 50, 1337, contextlib.nullcontext)
+    expected = t.generate(trained, TOKENIZER.encode_ordinary("Hello, I'm a language model,"), 5, 2, 1.0, 50, 1337)
     assert texts == ["Hello, I'm a language model," + TOKENIZER.decode(sample) for sample in expected]
     capsys.readouterr()
     assert t.main(t.parse_args(args + ["--no-kv_cache"])) == texts
@@ -441,13 +440,13 @@ def test_fine_tuning_starts_from_the_weights_with_a_fresh_optimizer_and_data(one
     else:
         log_dir, pretrained = three_steps
         copy_of(log_dir, tmp_path, "pre")
-        init_from, source_logits = str(tmp_path / "pre" / "ckpt_3.pt"), lambda idx: pretrained.eval()(idx)[0]
+        init_from, source_logits = str(tmp_path / "pre" / "ckpt_3.pt"), lambda idx: pretrained.eval()(idx)
     flags = ["--init_from", init_from, "--text_file", TINY_ARGS[TINY_ARGS.index("--text_file") + 1], "--seq_len", "32",
              "--micro_batch_size", "4", "--total_batch_size", "256", "--max_steps", "2", "--warmup_steps", "1",
              "--max_lr", "3e-5", "--eval_every", "0", "--sample_every", "0", "--device", "cpu",
              "--log_dir", str(tmp_path / "tune")]
     cfg = t.parse_args(flags)
-    tokens = torch.from_numpy(checked_run().text_tokens(cfg.text_file)[:257].astype("int64"))
+    tokens = torch.tensor(TOKENIZER.encode_ordinary(Path(cfg.text_file).read_text(encoding="utf-8"))[:257])
     with torch.no_grad():  # one step: windows 0-7 of 32 tokens (text files are not shuffled)
         logits = source_logits(tokens[:256].view(8, 32))
         expected = F.cross_entropy(logits.flatten(0, 1), tokens[1:].view(-1)).item()
@@ -494,8 +493,9 @@ def test_cached_decoding_gives_the_same_logits_and_tokens():
     assert [tuple(cache.keys.shape) for cache in caches] == [(2, 2, 32, 16)] * 2  # a layer: samples, heads, all
     assert caches[0].keys.dtype == caches[1].values.dtype == torch.float32  # block_size positions, head_dim
     for length in (10, 29, 30, 50):  # past 29 the text outgrows block_size: both reread the last 32 tokens
-        with_cache = t.generate(model, [1, 2, 3], length, t.kv_caches(model), 3, 1.0, 20, 7)
-        without = t.generate(model, [1, 2, 3], length, None, 3, 1.0, 20, 7)
+        with_cache = t.generate(model, [1, 2, 3], length, 3, 1.0, 20, 7,
+                                next_token=t.CachedNextToken(t.kv_caches(model)))
+        without = t.generate(model, [1, 2, 3], length, 3, 1.0, 20, 7)  # the recipe's: the window each token
         assert with_cache == without, length
 
 
@@ -514,8 +514,9 @@ def test_generation_waits_for_the_device_only_for_the_tokens_at_the_end():
     model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
     for use_cache in (True, False):
         operations = []
+        next_token = t.CachedNextToken(t.kv_caches(model)) if use_cache else t.sample_next
         with OperationLog():
-            t.generate(model, [1, 2, 3], 20, t.kv_caches(model, use_cache), 2, 1.0, 10, 0)
+            t.generate(model, [1, 2, 3], 20, 2, 1.0, 10, 0, next_token=next_token)
         assert len(operations) > 20 * 10
         waits = {"aten::_local_scalar_dense", "aten::multinomial", "aten::nonzero", "aten::item"}
         assert waits.isdisjoint(operations), use_cache
@@ -528,11 +529,11 @@ def test_the_compiled_one_token_step_compiles_once_for_the_whole_text():
 
     torch.manual_seed(0)
     model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64))
-    eager = t.generate(model, [1, 2, 3], 40, t.kv_caches(model), 3, 1.0, 20, 7)
+    eager = t.generate(model, [1, 2, 3], 40, 3, 1.0, 20, 7, next_token=t.CachedNextToken(t.kv_caches(model)))
     torch._dynamo.reset()
     counters.clear()
     caches, step = t.compiled_step(model, "cpu")
-    compiled = t.generate(model, [1, 2, 3], 40, caches, 3, 1.0, 20, 7, contextlib.nullcontext, step)
+    compiled = t.generate(model, [1, 2, 3], 40, 3, 1.0, 20, 7, next_token=t.CachedNextToken(caches, step))
     assert compiled == eager
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
 
@@ -548,17 +549,17 @@ def test_compiled_generations_of_any_length_share_one_graph_and_one_cache():
     model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=64))
     calls = [([1, 2, 3], 10), ([4, 5, 6, 7, 8], 20)]  # other prompt lengths, other --max_new_tokens
 
-    eager = [t.generate(model, prompt, max_new_tokens, t.kv_caches(model), 3, 1.0, 20, 7)
+    eager = [t.generate(model, prompt, max_new_tokens, 3, 1.0, 20, 7, next_token=t.CachedNextToken(t.kv_caches(model)))
              for prompt, max_new_tokens in calls]
     assert model not in t.COMPILED_STEPS
     torch._dynamo.reset()
     counters.clear()
     kept = t.compiled_step(model, "cpu")
     caches, step = kept
-    first = t.generate(model, *calls[0], caches, 3, 1.0, 20, 7, contextlib.nullcontext, step)
+    first = t.generate(model, *calls[0], 3, 1.0, 20, 7, next_token=t.CachedNextToken(caches, step))
     keys, values = [c.keys.data_ptr() for c in caches], [c.values.data_ptr() for c in caches]
     assert t.compiled_step(model, "cpu") is kept  # the same step and caches for the next call
-    second = t.generate(model, *calls[1], caches, 3, 1.0, 20, 7, contextlib.nullcontext, step)  # stale positions
+    second = t.generate(model, *calls[1], 3, 1.0, 20, 7, next_token=t.CachedNextToken(caches, step))  # stale positions
     assert [first, second] == eager  # the tokens of a fresh cache
     assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"] and not counters["graph_break"]
     assert t.COMPILED_STEPS[model] is kept
@@ -616,9 +617,9 @@ def test_generation_casts_each_weight_once_under_autocast_not_once_a_token():
 
     for use_cache in (True, False):
         casts = []
+        next_token = t.CachedNextToken(t.kv_caches(model)) if use_cache else t.sample_next
         with WeightCasts():
-            t.generate(model, [1, 2, 3], 20, t.kv_caches(model, use_cache), 2, 1.0, 10, 0,
-                       lambda: torch.autocast("cpu", torch.bfloat16))
+            t.generate(model, [1, 2, 3], 20, 2, 1.0, 10, 0, lambda: torch.autocast("cpu", torch.bfloat16), next_token)
         # every Linear's weight and bias (lm_head's weight is wte's): 4 a block, once each in 20 tokens
         linears = [name for name in weights.values() if ".attn." in name or ".mlp." in name]
         assert sorted(casts) == sorted(linears + ["transformer.wte.weight"]), use_cache
@@ -710,7 +711,7 @@ def test_the_weights_a_run_scores_are_those_eval_only_generate_and_export_hf_rea
     scored = t.main(t.parse_args(["--eval_only", "--log_dir", str(tmp_path / "eval")] + run_mode))
     assert scored == {"val_loss": [r["val_loss"] for r in straight.run.records if "val_loss" in r][-1]}  # its EMA's
     for mode in (["--generate"], ["--export_hf", str(tmp_path / "hf")]):  # both read --init_from's weights here
-        _, weights = t.CheckedRun(t.parse_args(mode + run_mode)).initial_weights()
+        _, weights = t.CheckedRun(t.parse_args(mode + run_mode)).init_from_weights()
         assert all(torch.equal(weights[name], weight) for name, weight in checkpoint["model"].items()), mode
     t.main(t.parse_args(flags + ["--stop_after_steps", "3", "--log_dir", str(tmp_path / "resumed")]))
     resumed = t.main(t.parse_args(flags + ["--resume", "auto", "--log_dir", str(tmp_path / "resumed")]))
@@ -756,8 +757,8 @@ def test_an_edit_to_the_recipes_sampling_reaches_generate_with_compile(monkeypat
     compiled tokens as it changes the eager ones."""
     sample_next = t.sample_next
 
-    def greedy(model, idx, caches, positions, noise, temperature, n_vocab):
-        return sample_next(model, idx, caches, positions, torch.ones_like(noise), temperature, n_vocab)
+    def greedy(model, idx, noise, temperature, n_vocab, caches=None, positions=None):
+        return sample_next(model, idx, torch.ones_like(noise), temperature, n_vocab, caches, positions)
 
     monkeypatch.setattr(t, "sample_next", greedy)
     torch.manual_seed(0)
@@ -767,7 +768,7 @@ def test_an_edit_to_the_recipes_sampling_reaches_generate_with_compile(monkeypat
     texts = {}
     for compiled in (False, True):
         caches, step = t.compiled_step(model, "cpu") if compiled else (t.kv_caches(model), t.sample_next)
-        texts[compiled] = t.generate(model, [1, 2, 3], 6, caches, 3, 1.0, 20, 7, contextlib.nullcontext, step)
+        texts[compiled] = t.generate(model, [1, 2, 3], 6, 3, 1.0, 20, 7, next_token=t.CachedNextToken(caches, step))
     assert texts[True] == texts[False], texts
     assert all(sample == texts[False][0] for sample in texts[False]), "greedy: every sample the same"
     assert texts[False][0][0] == expected[0]

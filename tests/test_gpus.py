@@ -32,34 +32,35 @@ def gpu(monkeypatch, tmp_path, capsys):
     (tmp_path / "include" / "Python.h").touch()  # Python's headers, as python3-dev installs them
     paths = sysconfig.get_paths
     monkeypatch.setattr(sysconfig, "get_paths", lambda *args: {**paths(*args), "include": str(tmp_path / "include")})
+    seen = {}
+
     class GPTOnTheCPU(t.GPT):
         def to(self, *args, **kwargs):  # train() moves the model to cuda:0: its weights stay on the CPU
             return super().to("cpu")
 
+        def zero_grad(self, *args, **kwargs):  # train()'s first step begins here
+            with seen["autocast"]():
+                seen.update(dtype=torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None)
+            raise FirstStep
+
     monkeypatch.setattr(t, "GPT", GPTOnTheCPU)
-    seen = {}
+    paths_agree = t.check_paths_agree  # prepare()'s, after the start line: on the CPU, where the weights are
+    monkeypatch.setattr(t, "check_paths_agree", lambda model, device: paths_agree(model, "cpu"))
     autocast_for = t.autocast_for
 
     def recorded_autocast_for(dtype, device):  # train's autocast for its steps
         seen.update(autocast=autocast_for(dtype, device))
         return seen["autocast"]
 
-    start_line, GradScaler = t.CheckedRun.start, torch.amp.GradScaler
+    GradScaler = torch.amp.GradScaler
 
     def recorded_grad_scaler(*args, **kwargs):  # train's
         scaler = GradScaler(*args, **kwargs)
         seen.update(scaler=scaler.is_enabled())
         return scaler
 
-    def first_step(log, *args):  # train's start line, then the first step would begin
-        start_line(log, *args)
-        with seen["autocast"]():
-            seen.update(dtype=torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None)
-        raise FirstStep
-
     monkeypatch.setattr(t, "autocast_for", recorded_autocast_for)
     monkeypatch.setattr(torch.amp, "GradScaler", recorded_grad_scaler)
-    monkeypatch.setattr(t.CheckedRun, "start", first_step)
 
     def run(card, flags=()):
         report_card(card, monkeypatch.setattr)
