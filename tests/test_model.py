@@ -324,6 +324,22 @@ def test_chunked_loss_without_gradients_is_the_plain_loss():
     torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=0)
 
 
+def test_a_copy_of_a_model_with_the_chunked_loss_scores_its_own_logits():
+    """A hacker's EMA (weights_to_score's copy.deepcopy of the model with_options made) was validated with the
+    trained model's logits on its own hidden states under --loss_chunk_size: the chunked loss held the trained
+    model's cross_entropy, and the copy's came with it."""
+    model = tiny_model(vocab_size=300)
+    t.chunk_the_loss(model, 5)
+    averaged = copy.deepcopy(model)
+    with torch.no_grad():
+        averaged.lm_head.weight.mul_(3)  # weights of its own (tied: the embedding's too)
+    x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        hidden = averaged.hidden_states(x)
+        torch.testing.assert_close(averaged.cross_entropy(hidden, y), t.GPT.cross_entropy(averaged, hidden, y),
+                                   rtol=1e-6, atol=0, msg=named("the copy's chunked loss against its plain loss"))
+
+
 def logits_rows_of_the_loss(model, tokens=10_000) -> list[int]:
     """The rows of each call of GPT.logits while model's training loss scores `tokens` tokens: [tokens] unchunked.
     A (rows, 2) of zeros stands in for each call's logits (the real ones, 10,000 x 50,304, would take 2 GB)."""
