@@ -61,13 +61,19 @@ def test_logits_shape_and_loss_at_init_near_uniform():
 def test_attention_passes_visibles_mask_until_main_checks_that_it_is_causal():
     """The recipe alone passes visible()'s mask on every call; use_fused_causal (main()'s, through with_options)
     leaves it to SDPA's causal kernel where visible_is_causal() says it may: for GPT-2's mask, not for documents'."""
+    def fused(model):
+        return [getattr(block.attn, "fused_causal", None) for block in model.transformer.h]
+
     torch.manual_seed(0)
     model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
-    assert [block.attn.fused_causal for block in model.transformer.h] == [False, False]
+    if None in fused(model):
+        premise_gone("this check assumes GPT-2's attention, which may leave its mask to SDPA's causal kernel; the "
+                     "file's has no fused_causal")
+    assert fused(model) == [False, False]
     with visible_as(gpt2_mask):
-        assert [block.attn.fused_causal for block in tiny_model().transformer.h] == [True, True]
+        assert fused(tiny_model()) == [True, True]
     with visible_as(document_mask):
-        assert [block.attn.fused_causal for block in tiny_model().transformer.h] == [False, False]
+        assert fused(tiny_model()) == [False, False]
 
 
 @pytest.mark.recipe
