@@ -1416,15 +1416,13 @@ def recompute_blocks(model: GPT):
 def chunk_the_loss(model: GPT, chunk_size: int):
     """--loss_chunk_size: the recipe's cross_entropy over chunk_size tokens at a time, each slice's
     logits made again in backward: the float32 logits are never whole (12.3 GiB at 64 x 1024)."""
-    whole = model.cross_entropy
-
-    def cross_entropy(x, targets, reduction="mean"):
+    def cross_entropy(self, x, targets, reduction="mean"):
         pairs = zip(x.flatten(0, -2).split(chunk_size), targets.flatten().split(chunk_size),
                     strict=True)
         per_token = torch.cat([torch.utils.checkpoint.checkpoint(
-            whole, *pair, "none", use_reentrant=False) for pair in pairs])
+            type(self).cross_entropy, self, *pair, "none", use_reentrant=False) for pair in pairs])
         return per_token.mean() if reduction == "mean" else per_token
-    model.cross_entropy = cross_entropy
+    model.cross_entropy = cross_entropy.__get__(model)  # bound: a copy (an EMA) scores its own
 
 def use_fused_causal(model: GPT):
     """Training's attention leaves the mask to SDPA's causal kernel where visible() is causal."""

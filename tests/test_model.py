@@ -1,5 +1,6 @@
 import contextlib
 import copy
+import functools
 import math
 
 import pytest
@@ -32,22 +33,47 @@ def test_larger_shapes_match_published_sizes(name, expected_millions):
     assert round(t.count_parameters(model) / 1e6, 1) == expected_millions
 
 
+def trained_as_main_trains(model):
+    """model with attention's mask left to SDPA's causal kernel where visible() is causal, as CheckedRun.prepare
+    leaves it (with_options' use_fused_causal): the path a run trains on. A new GPT passes visible()'s mask always."""
+    t.use_fused_causal(model)
+    return model
+
+
 def tiny_model(vocab_size=64, seed=0):
     torch.manual_seed(seed)
-    return t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=vocab_size))
+    model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=vocab_size))
+    return trained_as_main_trains(model)
 
 
 def test_logits_shape_and_loss_at_init_near_uniform():
-    """forward gives (logits, None) without targets, (None, loss) with them (the logits never kept); a new model's
-    loss is about ln(vocab)."""
+    """forward gives the logits without targets, the loss alone with them (a scalar: the logits never kept); a new
+    model's loss is about ln(vocab)."""
     model = tiny_model(vocab_size=64)
     idx = torch.randint(0, 64, (3, 16))
-    logits, loss = model(idx)
-    assert logits.shape == (3, 16, 64) and loss is None
+    assert model(idx).shape == (3, 16, 64)
     targets = torch.randint(0, 64, (3, 16))  # independent of idx: the tied embedding favours idx itself
-    logits, loss = model(idx, targets)
-    assert logits is None
+    loss = model(idx, targets)
+    assert loss.shape == ()
     assert abs(loss.item() - math.log(64)) < 0.2, loss
+
+
+def test_attention_passes_visibles_mask_until_main_checks_that_it_is_causal():
+    """The recipe alone passes visible()'s mask on every call; use_fused_causal (main()'s, through with_options)
+    leaves it to SDPA's causal kernel where visible_is_causal() says it may: for GPT-2's mask, not for documents'."""
+    def fused(model):
+        return [getattr(block.attn, "fused_causal", None) for block in model.transformer.h]
+
+    torch.manual_seed(0)
+    model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+    if None in fused(model):
+        premise_gone("this check assumes GPT-2's attention, which may leave its mask to SDPA's causal kernel; the "
+                     "file's has no fused_causal")
+    assert fused(model) == [False, False]
+    with visible_as(gpt2_mask):
+        assert fused(tiny_model()) == [True, True]
+    with visible_as(document_mask):
+        assert fused(tiny_model()) == [False, False]
 
 
 @pytest.mark.recipe
@@ -79,7 +105,7 @@ def assert_causal(model):
     changed = idx.clone()
     changed[0, 10:] = (changed[0, 10:] + 1) % vocab_size  # change only the future after position 9
     skip_unless_visible_hides_later_keys(idx, 10)
-    torch.testing.assert_close(model(idx)[0][:, :10], model(changed)[0][:, :10], rtol=0, atol=1e-5,
+    torch.testing.assert_close(model(idx)[:, :10], model(changed)[:, :10], rtol=0, atol=1e-5,
                                msg=named("the logits at positions 0-9 changed with the tokens after position 9"))
 
 
@@ -112,7 +138,7 @@ def assert_cache_equals_no_cache(model, autocast=contextlib.nullcontext, atol=1e
     assert length <= model.config.block_size
     tokens = torch.randint(0, model.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), autocast():
-        uncached = model(tokens)[0].float()
+        uncached = model(tokens).float()
         caches = t.kv_caches(model)
         pieces = [model.logits(model.hidden_states(tokens[:, :prompt_length], caches, torch.arange(prompt_length)))]
         for position in range(prompt_length, length):
@@ -135,6 +161,12 @@ def assert_cache_equals_no_cache(model, autocast=contextlib.nullcontext, atol=1e
 BF16_LOGITS_ATOL = 1e-2  # bfloat16 keeps 8 bits: 1 ulp is 0.002 at the logits' 0.5; cached and uncached differ by 1-2
 
 
+def evaluation_config(dtype="float32"):
+    """What estimate_val_loss and evaluate_hellaswag read of the flags: 2 validation steps of one (2, 16) batch each,
+    on the CPU, in dtype (bfloat16: under autocast)."""
+    return t.TrainConfig(device="cpu", dtype=dtype, eval_steps=2, micro_batch_size=2, seq_len=16, total_batch_size=32)
+
+
 def assert_every_path_runs_under_bfloat16(make_model):
     """The GPU's precision on a CPU: a training step's loss in float32 and within bf16's rounding of float32's, the
     validation loss likewise, generation with and without the cache, and the cached logits within bf16's rounding of
@@ -147,20 +179,21 @@ def assert_every_path_runs_under_bfloat16(make_model):
     generator = torch.Generator().manual_seed(0)
     x, y = (torch.randint(0, vocab_size, (2, 16), generator=generator) for _ in range(2))
     with autocast():
-        loss = model(x, y)[1]
+        loss = model(x, y)
     loss.backward()
-    float32_loss = make_model()(x, y)[1].item()
+    float32_loss = make_model()(x, y).item()
     assert loss.dtype == torch.float32 and abs(loss.item() - float32_loss) < 0.02, (
         f"under bf16 autocast the training loss is {loss.item():.4f} ({loss.dtype}), float32's {float32_loss:.4f}")
     torch.optim.AdamW(model.parameters(), lr=1e-3).step()
-    loader = t.DataLoader(t.TokenStream([np.arange(200, dtype=np.uint16) % vocab_size]), 2, 16, 0, 1, False, 0)
-    val_losses = [t.estimate_val_loss(model, loader, 2, 1, "cpu", context, t.Launch())
-                  for context in (autocast, contextlib.nullcontext)]
+    loader = t.DataLoader(t.TokenStream([np.arange(200, dtype=np.uint16) % vocab_size]), 2, 16, 0, 1)
+    val_losses = [t.estimate_val_loss(model, loader, evaluation_config(dtype), t.Launch())
+                  for dtype in ("bfloat16", "float32")]
     assert abs(val_losses[0] - val_losses[1]) < 0.02, f"validation loss under bf16, float32: {val_losses}"
-    for caches in (t.kv_caches(model), None):
-        samples = t.generate(model, [1, 2, 3], 10, caches, 2, 1.0, 20, 0, autocast)
+    for cached in (True, False):
+        next_token = t.CachedNextToken(t.kv_caches(model)) if cached else t.sample_next
+        samples = t.generate(model, [1, 2, 3], 10, 2, 1.0, 20, 0, autocast, next_token)
         assert len(samples) == 2 and all(len(s) == 10 and all(0 <= i < vocab_size for i in s) for s in samples), (
-            caches is not None, samples)
+            cached, samples)
     # the logits, not sampled tokens: bf16's rounding may tip a sample of a correct model to another token
     assert_cache_equals_no_cache(model, autocast, atol=BF16_LOGITS_ATOL)
 
@@ -179,13 +212,27 @@ def favouring_seven(model):
     return edited
 
 
+@contextlib.contextmanager
+def loss_chunked(chunk_size, *models):
+    """models training on --loss_chunk_size's loss (chunk_the_loss) until the block ends; chunk_size 0: the plain
+    one. The chunked loss is an attribute of each model: deleted, the class's cross_entropy is back."""
+    chunked = models if chunk_size else ()
+    for model in chunked:
+        t.chunk_the_loss(model, chunk_size)
+    try:
+        yield
+    finally:
+        for model in chunked:
+            del model.cross_entropy
+
+
 def skip_unless_the_loss_is_cross_entropy(model):
     """The loss checks below assume that forward's loss is the cross-entropy of its logits; a hacker's label
     smoothing or auxiliary loss is not, and is skipped, saying so."""
     idx = torch.randint(0, model.config.vocab_size, (2, model.config.block_size), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        loss = model(idx, idx.roll(-1, 1))[1]
-        plain = F.cross_entropy(model(idx)[0].flatten(0, 1).float(), idx.roll(-1, 1).flatten())
+        loss = model(idx, idx.roll(-1, 1))
+        plain = F.cross_entropy(model(idx).flatten(0, 1).float(), idx.roll(-1, 1).flatten())
     if not torch.allclose(loss, plain, rtol=1e-5, atol=0):
         premise_gone(f"this check assumes the training loss is the logits' cross-entropy ({plain.item():.4f}); "
                      f"forward's is {loss.item():.4f}")
@@ -199,17 +246,13 @@ def assert_loss_falls_when_the_target_logit_rises(model):
     generator = torch.Generator().manual_seed(0)
     idx = torch.randint(0, model.config.vocab_size, (2, model.config.block_size), generator=generator)
     sevens = torch.full_like(idx, 7)  # the target everywhere
-    chunk_size = model.loss_chunk_size
-    try:
-        for loss_chunk_size in (0, 5):
-            model.loss_chunk_size = edited.loss_chunk_size = loss_chunk_size
-            plain, raised = (m(idx, sevens)[1].item() for m in (model, edited))
-            assert raised < plain, (
-                f"the loss must fall when the logit of the target rises (the edit to GPT.logits must reach the "
-                f"loss, plain and chunked): with loss_chunk_size {loss_chunk_size} it is {plain:.4f}, and "
-                f"{raised:.4f} with the target's logit raised by 100")
-    finally:
-        model.loss_chunk_size = chunk_size
+    for loss_chunk_size in (0, 5):
+        with loss_chunked(loss_chunk_size, model, edited):  # each its own: the chunks wrap a model's cross_entropy
+            plain, raised = (m(idx, sevens).item() for m in (model, edited))
+        assert raised < plain, (
+            f"the loss must fall when the logit of the target rises (the edit to GPT.logits must reach the "
+            f"loss, plain and chunked): with loss_chunk_size {loss_chunk_size} it is {plain:.4f}, and "
+            f"{raised:.4f} with the target's logit raised by 100")
 
 
 def test_attention_is_causal():
@@ -240,12 +283,13 @@ def test_flops_per_token_of_gpt2_is_about_860_million():
 
 def loss_and_gradients(chunk_size, autocast_dtype=None, make_model=tiny_model):
     model = make_model(vocab_size=300)
-    model.loss_chunk_size = chunk_size
+    if chunk_size:  # 0: the plain loss
+        t.chunk_the_loss(model, chunk_size)
     generator = torch.Generator().manual_seed(1)
     x, y = torch.randint(0, 300, (3, 16), generator=generator), torch.randint(0, 300, (3, 16), generator=generator)
     with torch.autocast("cpu", dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
-        logits, loss = model(x, y)
-    assert logits is None  # the logits are never kept
+        loss = model(x, y)
+    assert loss.shape == ()  # the loss alone: the logits are never kept
     (2.5 * loss).backward()  # a non-unit incoming gradient, as under accumulation
     return loss, {name: p.grad for name, p in model.named_parameters()}
 
@@ -275,24 +319,57 @@ def test_chunked_loss_under_bf16_autocast_matches_within_bf16_rounding():
 
 
 def test_chunked_loss_without_gradients_is_the_plain_loss():
-    """Evaluation (no_grad) through the chunked path: the plain loss, and no logits."""
+    """Evaluation (no_grad) through the chunked path: the plain loss, alone (no logits)."""
     model = tiny_model(vocab_size=300)
     x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
     with torch.no_grad():
-        _, plain = model(x, y)
-        model.loss_chunk_size = 5
-        logits, chunked = model(x, y)
-    assert logits is None
+        plain = model(x, y)
+        with loss_chunked(5, model):
+            chunked = model(x, y)
+    assert chunked.shape == ()
     torch.testing.assert_close(chunked, plain, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("flags, expected", [([], 0), (["--compile"], 0), (["--loss_chunk_size", "4096"], 4096),
-                                             (["--device", "cpu", "--loss_chunk_size", "8192"], 8192)])
-def test_the_loss_is_chunked_only_when_asked_on_every_device(flags, expected):
+def test_a_copy_of_a_model_with_the_chunked_loss_scores_its_own_logits():
+    """A hacker's EMA (weights_to_score's copy.deepcopy of the model with_options made) was validated with the
+    trained model's logits on its own hidden states under --loss_chunk_size: the chunked loss held the trained
+    model's cross_entropy, and the copy's came with it."""
+    model = tiny_model(vocab_size=300)
+    t.chunk_the_loss(model, 5)
+    averaged = copy.deepcopy(model)
+    with torch.no_grad():
+        averaged.lm_head.weight.mul_(3)  # weights of its own (tied: the embedding's too)
+    x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
+    with torch.no_grad():
+        hidden = averaged.hidden_states(x)
+        torch.testing.assert_close(averaged.cross_entropy(hidden, y), t.GPT.cross_entropy(averaged, hidden, y),
+                                   rtol=1e-6, atol=0, msg=named("the copy's chunked loss against its plain loss"))
+
+
+def logits_rows_of_the_loss(model, tokens=10_000) -> list[int]:
+    """The rows of each call of GPT.logits while model's training loss scores `tokens` tokens: [tokens] unchunked.
+    A (rows, 2) of zeros stands in for each call's logits (the real ones, 10,000 x 50,304, would take 2 GB)."""
+    rows = []
+
+    def logits(x):  # (rows, n_embd)
+        rows.append(len(x))
+        return x.new_zeros(len(x), 2)
+    model.logits = logits  # read by the class's cross_entropy, which the chunked one calls for each chunk
+    with torch.no_grad():
+        model.cross_entropy(torch.zeros(1, tokens, model.config.n_embd), torch.zeros(1, tokens, dtype=torch.long))
+    return rows
+
+
+@pytest.mark.parametrize("flags, rows", [([], [10_000]), (["--compile"], [10_000]),
+                                         (["--loss_chunk_size", "4096"], [4096, 4096, 1808]),
+                                         (["--device", "cpu", "--loss_chunk_size", "8192"], [8192, 1808])])
+def test_the_loss_is_chunked_only_when_asked_on_every_device(flags, rows):
     """The CPU's default loss was chunked (its own code path) while the GPU's was not: an edit to the logits tried
-    on a laptop changed nothing there."""
+    on a laptop changed nothing there. Now the model main() trains (with_options, as CheckedRun.prepare and
+    --generate apply them) takes its logits in --loss_chunk_size rows at a time, and whole without it."""
     cfg, _ = t.device_settings(t.parse_args(["--n_layer", "1", "--n_head", "1", "--n_embd", "8"] + flags), t.Launch())
-    assert t.build_model(cfg, *t.CheckedRun(cfg).initial_weights(), "cpu").loss_chunk_size == expected
+    model = t.with_options(t.CheckedRun(cfg).with_weights(t.new_model(cfg)), cfg)
+    assert logits_rows_of_the_loss(model) == rows
 
 
 @pytest.mark.parametrize("chunk_size, recompute", [(0, False), (5, False), (0, True)])
@@ -301,11 +378,14 @@ def test_the_training_forward_is_one_graph_for_torch_compile(chunk_size, recompu
     aot_eager captures and splits forward from backward as inductor does, without generating kernels, so the loss
     is the eager one exactly."""
     model = tiny_model(vocab_size=300)
-    model.loss_chunk_size, model.recompute = chunk_size, recompute
+    if chunk_size:
+        t.chunk_the_loss(model, chunk_size)
+    if recompute:
+        t.recompute_blocks(model)
     x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        _, captured = torch.compile(model, fullgraph=True, backend="aot_eager")(x, y)
-        _, eager = model(x, y)
+        captured = torch.compile(model, fullgraph=True, backend="aot_eager")(x, y)
+        eager = model(x, y)
     captured.backward()
     assert captured.item() == eager.item()
     assert model.transformer.wte.weight.grad is not None
@@ -317,21 +397,32 @@ def gradients(model) -> dict:
     return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
 
 
+def counting_block_calls(model) -> list:
+    """A list that each run of a block's forward adds a 1 to, for model's blocks (a block repeated in h: counted at
+    each use). The count wraps the forward on the block itself, where recompute_blocks then wraps it: a recomputation
+    in backward calls the forward again, not the block (its hooks would not see it)."""
+    calls = []
+
+    def counted(forward, *args, **kwargs):
+        calls.append(1)  # on entry: recomputing may stop early
+        return forward(*args, **kwargs)
+    for block in dict.fromkeys(model.transformer.h):
+        block.forward = functools.partial(counted, block.forward)
+    return calls
+
+
 def test_recompute_runs_each_block_again_in_backward_for_the_same_loss_and_gradients(one_thread):
-    """--recompute keeps only each block's input and runs the block a second time during backward: the same
-    operations on the same inputs, so the loss and every gradient are those of the plain model, bit for bit.
-    Without gradients (evaluation, sampling) nothing is recomputed."""
-    model = tiny_model(vocab_size=300)
+    """--recompute (recompute_blocks) keeps only each block's input and runs the block a second time during
+    backward: the same operations on the same inputs, so the loss and every gradient are those of the plain model
+    (the same weights), bit for bit. Without gradients (evaluation, sampling) nothing is recomputed."""
     x, y = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
-    block_calls, layers = [], len(model.transformer.h)
-    for block in dict.fromkeys(model.transformer.h):  # a block repeated in h: one hook, run at each use
-        block.register_forward_pre_hook(lambda *args: block_calls.append(1))  # recomputing may stop early
     results = []
     for recompute in (False, True):
-        model.recompute = recompute
-        model.zero_grad()
-        block_calls.clear()
-        loss = model(x, y)[1]
+        model = tiny_model(vocab_size=300)  # seeded: the same weights each time
+        block_calls, layers = counting_block_calls(model), len(model.transformer.h)
+        if recompute:
+            t.recompute_blocks(model)
+        loss = model(x, y)
         loss.backward()
         results.append((len(block_calls), loss.item(), gradients(model)))
     (plain_calls, plain_loss, plain_grads), (calls, loss, grads) = results
@@ -351,7 +442,7 @@ def test_dropout_is_where_gpt2_had_it_and_only_in_training(monkeypatch):
     mode (validation, HellaSwag, generation all use it) the model is the same function as without dropout."""
     torch.manual_seed(0)
     model = t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=0.5))
-    plain = tiny_model(vocab_size=64)
+    model, plain = trained_as_main_trains(model), tiny_model(vocab_size=64)
     plain.load_state_dict(model.state_dict())  # dropout adds no parameters
     assert [name for name, module in model.named_modules() if isinstance(module, torch.nn.Dropout)] == [
         "transformer.drop"] + [f"transformer.h.{i}.{m}" for i in range(2) for m in ("attn.resid_dropout", "mlp.dropout")]
@@ -361,15 +452,28 @@ def test_dropout_is_where_gpt2_had_it_and_only_in_training(monkeypatch):
                         sdpa(*args, dropout_p=dropout_p, **kwargs))
     idx = torch.randint(0, 64, (3, 16))
     with torch.no_grad():
-        assert torch.equal(model.eval()(idx)[0], plain.eval()(idx)[0])
-        assert not torch.allclose(model.train()(idx)[0], plain.train()(idx)[0])
-        assert torch.equal(plain(idx)[0], plain.eval()(idx)[0])  # at 0.0, training mode changes nothing
+        assert torch.equal(model.eval()(idx), plain.eval()(idx))
+        assert not torch.allclose(model.train()(idx), plain.train()(idx))
+        assert torch.equal(plain(idx), plain.eval()(idx))  # at 0.0, training mode changes nothing
     assert attention_dropout == [0.0] * 4 + [0.5] * 2 + [0.0] * 6  # 2 layers a call: only training uses it
-    tokens = [t.generate(m, [1, 2, 3], 8, t.kv_caches(m), 2, 1.0, 10, 0) for m in (model, plain)]
+    tokens = [t.generate(m, [1, 2, 3], 8, 2, 1.0, 10, 0, next_token=t.CachedNextToken(t.kv_caches(m)))
+              for m in (model, plain)]
     assert tokens[0] == tokens[1]
 
 
 # ------------------------------ what a hacker's edit must reach: every path, the cache, resume
+
+SAMPLING = ("uncached", "cached", "compiled")
+
+
+def next_token(model, way):
+    """generate()'s next_token for a way of SAMPLING: the recipe's sample_next (each step rereads the window), or
+    CachedNextToken with a KV cache a layer, its steps eager or --compile's (compiled_step: its caches kept with it)."""
+    if way == "uncached":
+        return t.sample_next
+    caches, step = t.compiled_step(model, "cpu") if way == "compiled" else (t.kv_caches(model), t.sample_next)
+    return t.CachedNextToken(caches, step)
+
 
 def test_an_edit_to_the_logits_reaches_the_loss_validation_hellaswag_and_every_way_of_sampling():
     """The chunked loss made its own logits, and sampling and HellaSwag called lm_head themselves: an edit where the
@@ -381,20 +485,17 @@ def test_an_edit_to_the_logits_reaches_the_loss_validation_hellaswag_and_every_w
 
     plain = tiny_model(vocab_size=64)
     model = favouring_seven(plain)
-    loader = t.DataLoader(t.TokenStream([np.full(200, 7, dtype=np.uint16)]), 2, 16, 0, 1, False, 0)
-    val_losses = [t.estimate_val_loss(m, loader, 2, 1, "cpu", contextlib.nullcontext, t.Launch()) for m in (plain,
-                                                                                                          model)]
+    loader = t.DataLoader(t.TokenStream([np.full(200, 7, dtype=np.uint16)]), 2, 16, 0, 1)
+    val_losses = [t.estimate_val_loss(m, loader, evaluation_config(), t.Launch()) for m in (plain, model)]
     assert val_losses[1] < val_losses[0], f"the validation loss must fall with the edit to GPT.logits: {val_losses}"
     tokens = torch.tensor([[1, 2, 3, 8, 8, 8], [1, 2, 3, 8, 8, 8], [1, 2, 3, 7, 7, 7], [1, 2, 3, 8, 8, 8]])
     mask = torch.zeros_like(tokens)
     mask[:, 3:] = 1  # the endings: only ending 2, all sevens, is likely under the edited logits
-    scores = t.evaluate_hellaswag(model, [(tokens, mask, torch.tensor([2]))], "cpu", contextlib.nullcontext,
-                                  t.Launch())
+    scores = t.evaluate_hellaswag(model, [(tokens, mask, torch.tensor([2]))], evaluation_config(), t.Launch())
     assert (scores["hellaswag_acc"], scores["hellaswag_acc_norm"]) == (1.0, 1.0)
-    for use_cache, compiled in ((True, False), (False, False), (True, True)):
-        caches, step = t.compiled_step(model, "cpu") if compiled else (t.kv_caches(model, use_cache), t.sample_next)
-        assert t.generate(model, [1, 2, 3], 6, caches, 2, 1.0, 5, 0, contextlib.nullcontext, step) == [[7] * 6] * 2, (
-            use_cache, compiled)
+    for way in SAMPLING:
+        assert t.generate(model, [1, 2, 3], 6, 2, 1.0, 5, 0, contextlib.nullcontext, next_token(model, way)) == [
+            [7] * 6] * 2, way
     assert_loss_falls_when_the_target_logit_rises(plain)
 
 
@@ -480,15 +581,16 @@ def assert_the_cache_follows_grouped_query_attention(dtype, with_compile=True):
     model = t.GPT(t.GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=32, vocab_size=64))
     for block in model.transformer.h:
         block.attn = StandIn(GroupedQueryAttention(model.config), block.attn)
+    trained_as_main_trains(model)
     with torch.no_grad():  # logits far apart, as a trained model's: bf16's rounding picks no other token
         model.transformer.wte.weight.normal_(0.0, 1.0)
     autocast = lambda: torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32)  # noqa: E731
     tokens, filled = {}, None
-    for use_cache, compiled in ((False, False), (True, False)) + ((True, True),) * with_compile:
-        caches, step = t.compiled_step(model, "cpu") if compiled else (t.kv_caches(model, use_cache), t.sample_next)
-        tokens[use_cache, compiled] = t.generate(model, [1, 2, 3], 12, caches, 3, 1.0, 20, 7, autocast, step)
-        filled = caches or filled  # the last way's: compiled, or eager with the cache
-    assert all(sampled == tokens[False, False] for sampled in tokens.values()), tokens
+    for way in SAMPLING[: 3 if with_compile else 2]:
+        sampler = next_token(model, way)
+        tokens[way] = t.generate(model, [1, 2, 3], 12, 3, 1.0, 20, 7, autocast, sampler)
+        filled = getattr(sampler, "caches", filled)  # the last way's: compiled, or eager with the cache
+    assert all(sampled == tokens["uncached"] for sampled in tokens.values()), tokens
     assert [(tuple(cache.keys.shape), cache.keys.dtype) for cache in filled] == [((3, 2, 32, 8), torch.float32)] * 2
 
 
@@ -575,7 +677,7 @@ def tiny_model_with(attention=None, mlp=None, vocab_size=64, seed=0):
         block.mlp = mlp(block.mlp, model.config) if mlp else block.mlp
     torch.manual_seed(seed)
     model.reset_parameters()
-    return model
+    return trained_as_main_trains(model)
 
 
 def test_the_cache_check_fails_for_rotary_attention_that_counts_its_positions_from_zero():
@@ -586,7 +688,7 @@ def test_the_cache_check_fails_for_rotary_attention_that_counts_its_positions_fr
     assert_cache_equals_no_cache(correct)
     idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        assert torch.equal(correct(idx)[0], from_zero(idx)[0])
+        assert torch.equal(correct(idx), from_zero(idx))
     assert_causal(from_zero)
     with pytest.raises(AssertionError, match=r"^with the KV cache, the logits at position 5 differ from the uncached "
                                              r"forward's by [0-9.e-]+ \(allowed: 1e-05 \+ 0 x \|logit\|\), in a "
@@ -615,7 +717,8 @@ def test_a_swiglu_mlp_passes_every_check_a_hacker_runs(one_thread):
 @contextlib.contextmanager
 def visible_as(mask):
     """train_gpt2 as if visible() were mask, until the block ends; yields the file's own. Build the models inside:
-    attention asks visible_is_causal() once, when built, whether it may leave the mask to SDPA's causal kernel."""
+    use_fused_causal (trained_as_main_trains) asks visible_is_causal(), cached by block_size, whether attention may
+    leave the mask to SDPA's causal kernel, and sets it on the attention modules there and then."""
     files = t.visible
     t.visible = mask
     t.visible_is_causal.cache_clear()
@@ -629,6 +732,10 @@ def visible_as(mask):
 # <|endoftext|>'s id, taken once from the file's tokenizer (whichever it names), as a hacker's mask would take it:
 # torch.compile cannot trace the tokenizer's load inside forward. document_mask's lines read as they would in the file.
 END_OF_TEXT = t.tokenizer().eot_token
+
+
+def gpt2_mask(query_positions, key_positions, key_tokens):  # GPT-2's visible(): itself and earlier
+    return key_positions <= query_positions[:, None]
 
 
 def sliding_window(query_positions, key_positions, key_tokens):  # README.md's edit of visible()'s return line
@@ -663,13 +770,14 @@ def tiny_model_64(seed=0):
     """tiny_model with 64 positions and the tokenizer's padded vocabulary, for with_documents()."""
     torch.manual_seed(seed)
     vocab_size = t.machine_choices(t.TrainConfig(device="cpu"), t.Launch()).vocab_size  # GPT-2's: 50304
-    return t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64, vocab_size=vocab_size))
+    return trained_as_main_trains(t.GPT(t.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=64,
+                                                    vocab_size=vocab_size)))
 
 
 def assert_cache_equals_no_cache_over(model, tokens, prompt_length=7):
     """assert_cache_equals_no_cache on these tokens: the prompt's pass, then a token at a time, to 1e-5."""
     with torch.no_grad():
-        uncached = model.eval()(tokens)[0]
+        uncached = model.eval()(tokens)
         caches = t.kv_caches(model)
         pieces = [model.logits(model.hidden_states(tokens[:, :prompt_length], caches, torch.arange(prompt_length)))]
         for position in range(prompt_length, tokens.size(1)):
@@ -682,13 +790,15 @@ def assert_cache_equals_no_cache_over(model, tokens, prompt_length=7):
                              f"forward's by {difference[first].item():.3g}")
 
 
-def assert_recompute_changes_nothing(model, tokens):
-    """--recompute's loss and gradients are the plain ones, bit for bit."""
+def assert_recompute_changes_nothing(make_model, tokens):
+    """--recompute's loss and gradients (recompute_blocks on one of two models make_model() gives alike) are the
+    plain model's, bit for bit."""
     results = []
     for recompute in (False, True):
-        model.train().zero_grad()
-        model.recompute = recompute
-        loss = model(tokens[:, :-1], tokens[:, 1:])[1]
+        model = make_model().train()
+        if recompute:
+            t.recompute_blocks(model)
+        loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         results.append((loss.item(), gradients(model)))
     assert results[0][0] == results[1][0], f"the loss with --recompute: {results[1][0]}, without: {results[0][0]}"
@@ -705,13 +815,14 @@ def test_a_sliding_window_or_document_mask_edited_in_visible_reaches_training_th
     model's up to the first position whose keys the edit changes, and differ from there."""
     tokens = with_documents()
     with torch.no_grad():
-        files_logits = tiny_model_64().eval()(tokens)[0]
+        files_logits = tiny_model_64().eval()(tokens)
     first = first_query_seeing_otherwise(t.visible, MASKS[edit], tokens)  # None: the file has this edit already
     with visible_as(MASKS[edit]):
         assert not t.visible_is_causal(64)  # every path passes the mask: no fused causal kernel
         model = tiny_model_64()
+        assert not any(getattr(module, "fused_causal", False) for module in model.modules())
         with torch.no_grad():
-            logits = model.eval()(tokens)[0]
+            logits = model.eval()(tokens)
         where = "the file's visible() is this mask" if first is None else f"the masks differ from position {first}"
         torch.testing.assert_close(logits[:, :first], files_logits[:, :first], rtol=0, atol=1e-6,
                                    msg=named(f"the logits where the file's model sees the same keys ({where})"))
@@ -721,13 +832,14 @@ def test_a_sliding_window_or_document_mask_edited_in_visible_reaches_training_th
                 f"there are the file's own model's: training does not ask visible()")
         assert_causal(model)
         assert_cache_equals_no_cache_over(model, tokens)
-        assert_recompute_changes_nothing(model, tokens)
+        assert_recompute_changes_nothing(tiny_model_64, tokens)
 
 
 def test_a_mask_keyed_on_a_token_id_beyond_the_block_size_reaches_training(one_thread):
     """Documents split at newlines (token 198), in a model of 64 positions: visible_is_causal() asked visible() with
     the ids 0 to 63 and <|endoftext|> alone, called the mask causal, and training ran SDPA's causal kernel without
-    it (the cache applied it). Now training's logits are the mask's, as attention gives them with the mask passed."""
+    it (the cache applied it). Now training's logits (attention's fused_causal set as main() sets it) are the mask's,
+    as attention gives them with the mask passed."""
     def newline_documents(query_positions, key_positions, key_tokens):
         documents = (key_tokens == 198).cumsum(-1)  # (B, Tk)
         same = documents[:, query_positions, None] == documents[:, None, :]
@@ -737,10 +849,10 @@ def test_a_mask_keyed_on_a_token_id_beyond_the_block_size_reaches_training(one_t
     tokens[:, 20::11] = 198
     with visible_as(newline_documents), torch.no_grad():
         model = tiny_model_64().eval()
-        trained_on = model(tokens)[0]
+        trained_on = model(tokens)
         for block in model.transformer.h:
             block.attn.fused_causal = False  # the mask made and passed, on every call
-        torch.testing.assert_close(trained_on, model(tokens)[0], rtol=0, atol=1e-6,
+        torch.testing.assert_close(trained_on, model(tokens), rtol=0, atol=1e-6,
                                    msg="training's forward ignores a mask keyed on token 198")
 
 
@@ -766,13 +878,14 @@ def test_a_window_in_trainings_mask_alone_fails_the_cache_check():
         model = tiny_model_64()
         for block in model.transformer.h:
             block.attn = WindowInTrainingsMaskAlone(model.config)
+        trained_as_main_trains(model)
         with pytest.raises(AssertionError, match=rf"^with the KV cache, the logits at position {first} differ"):
             assert_cache_equals_no_cache_over(model, tokens)
 
 
 def test_a_document_mask_whose_tokens_recompute_does_not_pass_fails_the_recompute_check(one_thread, monkeypatch):
-    """The naive edit: recompute's call of the block with an argument list of its own, without the tokens the mask
-    reads (zeros here: one document): --recompute trains another model."""
+    """The naive edit: recompute's checkpoint call given the block's arguments without the tokens the mask reads
+    (zeros here: one document), as an argument list of its own would: --recompute trains another model."""
     checkpoint = torch.utils.checkpoint.checkpoint
 
     def without_the_tokens(function, *args, **kwargs):  # each (B, T) integer tensor passed as zeros
@@ -781,7 +894,7 @@ def test_a_document_mask_whose_tokens_recompute_does_not_pass_fails_the_recomput
 
     monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", without_the_tokens)
     with visible_as(document_mask), pytest.raises(AssertionError, match="the loss with --recompute"):
-        assert_recompute_changes_nothing(tiny_model_64(), with_documents())
+        assert_recompute_changes_nothing(tiny_model_64, with_documents())
 
 
 def test_validation_and_hellaswag_score_the_logits_cross_entropy_whatever_the_training_loss_adds():
@@ -795,20 +908,20 @@ def test_validation_and_hellaswag_score_the_logits_cross_entropy_whatever_the_tr
                 return super().forward(idx)
             x = self.hidden_states(idx)
             loss = F.cross_entropy(self.logits(x).flatten(0, 1).float(), targets.flatten(), label_smoothing=0.1)
-            return None, loss + 0.01 * x.pow(2).mean()
+            return loss + 0.01 * x.pow(2).mean()
 
     plain = tiny_model_64()
-    edited = SmoothedLoss(plain.config)
+    edited = trained_as_main_trains(SmoothedLoss(plain.config))
     edited.load_state_dict(plain.state_dict())
     tokens = with_documents()
-    assert edited(tokens[:, :-1], tokens[:, 1:])[1].item() != plain(tokens[:, :-1], tokens[:, 1:])[1].item()
-    loader = lambda: t.DataLoader(t.TokenStream([tokens.flatten().numpy().astype(np.uint16)]), 2, 16, 0, 1, False, 0)  # noqa: E731
-    val_losses = [t.estimate_val_loss(m, loader(), 2, 1, "cpu", contextlib.nullcontext, t.Launch()) for m in (edited, plain)]
+    assert edited(tokens[:, :-1], tokens[:, 1:]).item() != plain(tokens[:, :-1], tokens[:, 1:]).item()
+    loader = lambda: t.DataLoader(t.TokenStream([tokens.flatten().numpy().astype(np.uint16)]), 2, 16, 0, 1)  # noqa: E731
+    val_losses = [t.estimate_val_loss(m, loader(), evaluation_config(), t.Launch()) for m in (edited, plain)]
     assert val_losses[0] == val_losses[1]
     mask = torch.zeros(4, 12, dtype=torch.long)
     mask[:, 6:] = 1
     batch = [(tokens[:, :12].repeat(2, 1), mask, torch.tensor([1]))]
-    scores = [t.evaluate_hellaswag(m, batch, "cpu", contextlib.nullcontext, t.Launch()) for m in (edited, plain)]
+    scores = [t.evaluate_hellaswag(m, batch, evaluation_config(), t.Launch()) for m in (edited, plain)]
     assert scores[0] == scores[1]
     with pytest.raises(pytest.skip.Exception, match="assumes the training loss is the logits' cross-entropy"):
         assert_loss_falls_when_the_target_logit_rises(edited)
@@ -920,7 +1033,7 @@ def test_the_gradient_tests_pass_a_parameter_that_gets_no_gradient(one_thread, m
     names the parameter whose gradient is None in one run only)."""
     monkeypatch.setattr(t, "GPT", FirstBlockUnscaledGPT)
     model, tokens = tiny_model_64(), with_documents()
-    model(tokens[:, :-1], tokens[:, 1:])[1].backward()
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
     assert model.transformer.h[0].scale.grad is None and model.transformer.h[1].scale.grad is not None
     passes(test_recompute_runs_each_block_again_in_backward_for_the_same_loss_and_gradients, None)
     for mask in MASKS:
@@ -1036,9 +1149,9 @@ def test_the_tests_attention_and_blocks_pass_on_what_a_value_residual_adds(one_t
     value residual. Now they wrap the hacker's, or stand in beside it, and give back what it gives."""
     tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        files_logits = tiny_model()(tokens)[0]
+        files_logits = tiny_model()(tokens)
         value_residual_edit(monkeypatch)
-        assert not torch.allclose(tiny_model()(tokens)[0], files_logits, atol=1e-4)  # the same weights, mixed values
+        assert not torch.allclose(tiny_model()(tokens), files_logits, atol=1e-4)  # the same weights, mixed values
     for dtype in (torch.float32, torch.bfloat16):
         passes(test_the_cache_takes_its_shape_and_dtype_from_attention, dtype)
     passes(test_the_cache_check_fails_for_rotary_attention_that_counts_its_positions_from_zero)
@@ -1067,8 +1180,8 @@ def mixture_of_experts_edit(monkeypatch):
             return sum(expert(x) * (rate * chosen[..., i])[..., None] for i, expert in enumerate(self.experts))
 
     def with_aux_loss(self, idx, targets=None):
-        logits, loss = forward(self, idx, targets)
-        return logits, None if loss is None else loss + 0.01 * sum(block.mlp.aux_loss for block in self.transformer.h)
+        returned = forward(self, idx, targets)  # the logits, or the loss
+        return returned if targets is None else returned + 0.01 * sum(block.mlp.aux_loss for block in self.transformer.h)
 
     monkeypatch.setattr(t, "MLP", MixtureOfExperts)
     monkeypatch.setattr(t.GPT, "forward", with_aux_loss)
