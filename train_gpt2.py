@@ -2032,7 +2032,7 @@ def check_export(transformers, folder, model_config: GPTConfig, state):
                            generator=torch.Generator().manual_seed(0))
     tokens[:, 3::8] = vocab.eot_token  # text of several documents: a document mask must show
     with torch.no_grad():
-        expected = ours.eval()(tokens)[0][..., :vocab.n_vocab]
+        expected = ours.eval()(tokens)[..., :vocab.n_vocab]  # (2, T, n_vocab)
         difference = (exported.eval()(tokens).logits - expected).abs().max().item()
     if difference > 1e-4 * max(1.0, expected.abs().max().item()):
         raise RunError(f"the exported model's logits differ from ours by up to "
