@@ -1000,7 +1000,9 @@ class CheckedRun(Run):
             self.initial = self.init_from_weights() if cfg.init_from else None  # before downloads
             train_tokens, val_tokens = self.token_streams()
             check_token_counts((train_tokens, val_tokens), cfg, with_val=cfg.eval_every > 0)
-            if checkpoint is not None:
+            if checkpoint is not None:  # it fits the model new_model() or --init_from makes
+                check_resumable(checkpoint, cfg, self.initial[0] if self.initial else GPTConfig(
+                    **{name: getattr(cfg, name) for name in GPTConfig.__dataclass_fields__}))
                 checkpoint = self.resumable(checkpoint, train_tokens)
                 step = checkpoint["step"]  # later ones: another branch, --resume auto's pick
                 later = [os.path.basename(p) for p in earlier if int(Path(p).stem[5:]) > step]
@@ -1142,12 +1144,10 @@ class CheckedRun(Run):
         return model
 
     def prepare(self, model):
-        """--init_from's weights, the options, the start line; then the checks before step 0:
-        the checkpoint fits, and training's logits are the cache's (an edit reached both)."""
+        """--init_from's weights, the options, the start line; then the check before step 0:
+        training's logits are the cache's (an edit reached both)."""
         cfg, launch, checkpoint = self.cfg, self.launch, self.inputs[2]
         model = on_every_rank(launch, lambda: self.with_weights(model))
-        if checkpoint is not None:  # (every rank holds the same)
-            check_resumable(checkpoint, cfg, model.config)
         self.model = model = with_options(model, cfg)
         self.start(model)
         check_paths_agree(model, cfg.device)

@@ -133,16 +133,18 @@ def test_a_prefix_holding_a_split_name_reads_each_split_alone(tmp_path):
     """fineweb.py's prefix is --out_dir's name: in my_train_data, *_train_*.npy matched my_train_data_val_000000.npy
     too, and training read the validation shard."""
     fineweb.write_shards(iter([np.arange(12, dtype=np.uint16)]), str(tmp_path), "my_train_data", shard_size=4)
-    run = checked_run(data_dir=str(tmp_path))
-    assert [Path(p).name for p in run.shard_paths("train")] == ["my_train_data_train_000001.npy",
-                                                                "my_train_data_train_000002.npy"]
-    assert [Path(p).name for p in run.shard_paths("val")] == ["my_train_data_val_000000.npy"]
+    assert [p.name for p in train_gpt2.shard_paths(tmp_path, "train")] == ["my_train_data_train_000001.npy",
+                                                                          "my_train_data_train_000002.npy"]
+    assert [p.name for p in train_gpt2.shard_paths(tmp_path, "val")] == ["my_train_data_val_000000.npy"]
+    train, val = checked_run(data_dir=str(tmp_path)).token_streams()  # the first 4 tokens validate
+    assert train.read(0, train.num_tokens).tolist() == list(range(4, 12)) and val.num_tokens == 4
 
 
 def test_a_leftover_temporary_file_is_never_read(tmp_path):
     fineweb.write_shards(iter([np.arange(8, dtype=np.uint16)]), str(tmp_path), "x", shard_size=4)
     (tmp_path / "x_train_000002.npy.tmp").write_bytes(b"half a shard")  # as a killed run would leave it
-    assert checked_run(data_dir=str(tmp_path)).shard_paths("train") == [str(tmp_path / "x_train_000001.npy")]
+    assert train_gpt2.shard_paths(tmp_path, "train") == [tmp_path / "x_train_000001.npy"]
+    assert checked_run(data_dir=str(tmp_path)).token_streams()[0].num_tokens == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x_train_000001.npy", "x_train_000002.npy.tmp",
                                                          "x_val_000000.npy"]
 
@@ -677,14 +679,15 @@ def test_an_interrupted_run_leaves_a_folder_the_trainer_refuses(tmp_path, monkey
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [  # 4 of the 4,102 tokens' 5 shards were written
         "INCOMPLETE", "out_train_000001.npy", "out_train_000002.npy", "out_train_000003.npy", "out_val_000000.npy"]
     with pytest.raises(train_gpt2.RunError) as raised:
-        checked_run(data_dir=str(tmp_path / "out")).shard_paths("val")
+        checked_run(data_dir=str(tmp_path / "out")).token_streams()
     assert str(raised.value) == (f"--data_dir {tmp_path / 'out'} is incomplete (fineweb.py's INCOMPLETE file is "
                                  "there): wait for fineweb.py, or rerun it with --resume")
     corpus.write_text('{"text": "' + "word " * 4100 + '"}\n')
     assert run_fineweb(["--input", str(corpus), "--out_dir", str(tmp_path / "out"), "--shard_size", "1025",
                         "--overwrite"]).returncode == 0
     assert "INCOMPLETE" not in [p.name for p in (tmp_path / "out").iterdir()]
-    assert len(checked_run(data_dir=str(tmp_path / "out")).shard_paths("train")) == 9  # 4,102 tokens: in tenths
+    train, _ = checked_run(data_dir=str(tmp_path / "out")).token_streams()
+    assert len(train.arrays) == 9  # 4,102 tokens: in tenths
 
 
 def test_a_corpus_within_one_shard_gets_shards_of_a_tenth_in_one_command_and_trains(tmp_path, capsys):

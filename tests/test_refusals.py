@@ -199,10 +199,8 @@ def test_a_model_field_a_hacker_adds_is_the_checkpoints_and_a_differing_flag_is_
     differs, which is refused; derived from GPTConfig's fields, not a list."""
     added = ("window", int, dataclasses.field(default=0))
     monkeypatch.setattr(t, "GPTConfig", dataclasses.make_dataclass("GPTConfig", [added], bases=(t.GPTConfig,)))
-    fields = [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
-              for f in dataclasses.fields(t.TrainConfig)]
-    fields.append(("window", int, t.flag(0, "keys a query sees; 0: all", "model")))
-    monkeypatch.setattr(t, "TrainConfig", dataclasses.make_dataclass("TrainConfig", fields))
+    flag = ("window", int, t.flag(0, "keys a query sees; 0: all", "model"))  # parse_args reads Config's fields
+    monkeypatch.setattr(t, "Config", dataclasses.make_dataclass("Config", [flag], bases=(t.Config,)))
     log, ckpt = ["--log_dir", str(tmp_path / "log")], str(tmp_path / "log" / "ckpt_2.pt")
     t.main(t.parse_args(TINY_ARGS + ["--max_steps", "4", "--stop_after_steps", "2", "--window", "16"] + log))
     tune = TINY_ARGS_WITHOUT_SHAPE + ["--max_steps", "1", "--warmup_steps", "0", "--init_from", ckpt]
@@ -215,7 +213,7 @@ def test_a_model_field_a_hacker_adds_is_the_checkpoints_and_a_differing_flag_is_
         t.main(t.parse_args(TINY_ARGS + ["--max_steps", "4", "--resume", "auto", "--window", "4"] + log))
     monkeypatch.undo()  # the code without the field, a checkpoint with it
     with pytest.raises(t.RunError) as refused:
-        t.CheckedRun(t.parse_args(TINY_ARGS_WITHOUT_SHAPE + ["--init_from", ckpt])).initial_weights()
+        t.CheckedRun(t.parse_args(TINY_ARGS_WITHOUT_SHAPE + ["--init_from", ckpt])).init_from_weights()
     assert str(refused.value) == (f"{ckpt} holds model field(s) window that GPTConfig lacks: add them to GPTConfig, "
                                   "or use the code that wrote it")
 

@@ -34,11 +34,13 @@ def test_another_tokenizer_trains_on_text_samples_evaluates_and_exports_as_itsel
                                           "--hellaswag_path", str(hellaswag), "--log_dir", str(log_dir)]))
     assert result.model.config.vocab_size == 120_320  # 120,257 padded to 940 x 128
     assert torch.load(log_dir / "ckpt_3.pt", weights_only=True)["n_vocab"] == 120_257
-    text = t.CheckedRun(t.TrainConfig(device="cpu")).text_tokens(str(SHAKESPEARE))
-    assert text.dtype == np.uint32 and text[:4].tolist() == moved.encode_ordinary(SHAKESPEARE.read_text()[:15])[:4]
+    train, _ = t.CheckedRun(t.Config(device="cpu", text_file=str(SHAKESPEARE))).token_streams()
+    assert [tokens.dtype for tokens in train.arrays] == [np.uint32]  # ids past 65,535 kept
+    assert train.read(0, 4).tolist() == moved.encode_ordinary(SHAKESPEARE.read_text()[:15])[:4]
     assert [r["hellaswag_examples"] for r in result.run.records if "hellaswag_examples" in r] == [3]
-    samples = t.generate(result.model, [], 16, t.kv_caches(result.model), num_samples=4, seed=1)
-    assert all(0 <= token < 120_257 for sample in samples for token in sample), samples  # no padding row
+    for next_token in (t.sample_next, t.CachedNextToken(t.kv_caches(result.model))):  # training's, --generate's
+        samples = t.generate(result.model, [], 16, num_samples=4, seed=1, next_token=next_token)
+        assert all(0 <= token < 120_257 for sample in samples for token in sample), samples  # no padding row
     capsys.readouterr()
     last_val = [r["val_loss"] for r in result.run.records if "val_loss" in r][-1]
     scored = t.main(t.parse_args(SHORT + ["--eval_only", "--init_from", str(log_dir / "ckpt_3.pt"), "--eval_steps",
