@@ -1394,8 +1394,7 @@ def stop_or_fail_together(signalled, sources: list, launch):
 
 # ------------------------------ the options, hooked in by CheckedRun
 def with_options(model: GPT, cfg) -> GPT:
-    """The recipe's model with --recompute, --loss_chunk_size, and SDPA's fused causal kernel
-    where visible() is causal: the same numbers, in less memory or time."""
+    """The model with --recompute, --loss_chunk_size and, where it may, SDPA's causal kernel."""
     if cfg.recompute:
         recompute_blocks(model)
     if cfg.loss_chunk_size:
@@ -1443,8 +1442,8 @@ def visible_is_causal(block_size: int) -> bool:
                for some in tokens.split(8))  # (8, T): masks of (8, 1, T, T) at a time
 
 class ShuffledLoader(DataLoader):
-    """--shuffle: each epoch reads its windows (of seq_len, at k * seq_len) in an order drawn from
-    (seed, epoch), 8 bytes a window; the place still counts tokens read."""
+    """--shuffle: each epoch reads its windows (at k * seq_len) in an order drawn from (seed,
+    epoch); the place still counts tokens."""
 
     def __init__(self, *args, seed):
         super().__init__(*args)
@@ -1458,9 +1457,8 @@ class ShuffledLoader(DataLoader):
         return super().read_window(epoch, window * self.seq_len)
 
 def make_optimizers(model: GPT, cfg, launch) -> list:
-    """The recipe's AdamW; --optimizer muon: Muon for the blocks' matrices, AdamW the rest (at
-    AdamW's RMS: --max_lr and --weight_decay carry over); --shard_optimizer: each optimizer's
-    state split over the processes (ZeRO-1)."""
+    """The recipe's AdamW; --optimizer muon: Muon for the blocks' matrices (at AdamW's RMS: the
+    same --max_lr and --weight_decay); --shard_optimizer: the state split over ranks (ZeRO-1)."""
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     to_muon = {name for name, p in named if cfg.optimizer == "muon" and p.dim() == 2
                and name.startswith("transformer.h.")}
@@ -1474,8 +1472,8 @@ def make_optimizers(model: GPT, cfg, launch) -> list:
     return optimizers
 
 def sharded_over_ranks(optimizer, launch):
-    """optimizer's groups and settings under ZeroRedundancyOptimizer; its state_dict(), on every
-    rank, sends each rank's share to rank 0, which alone returns it whole (None elsewhere)."""
+    """optimizer as ZeroRedundancyOptimizer's; state_dict(), called on every rank, sends each
+    share to rank 0, which alone returns it whole."""
     from torch.distributed.optim import ZeroRedundancyOptimizer  # here: it imports FSDP (slow)
     options = {name: value for name, value in optimizer.defaults.items()  # (defaults hold more)
                if name in inspect.signature(type(optimizer)).parameters}
@@ -1494,8 +1492,8 @@ def sharded_over_ranks(optimizer, launch):
     return sharded
 
 def pack_hellaswag(batches: list[tuple], max_tokens) -> list[tuple]:
-    """The recipe's batches of one example regrouped: (tokens, mask (4n, L), labels (n,)) of up to
-    max_tokens each, shortest first, each row padded to its batch's longest."""
+    """The recipe's batches of one example regrouped: (tokens, mask (4n, L), labels (n,)) of at
+    most max_tokens, shortest first."""
     groups = []
     for example in sorted(batches, key=lambda example: example[0].size(1)):
         if not groups or 4 * (len(groups[-1]) + 1) * example[0].size(1) > max_tokens:
