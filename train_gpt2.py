@@ -1,6 +1,6 @@
 """Pretrain GPT-2 in plain PyTorch: `python train_gpt2.py` on one device, `torchrun --standalone
 --nproc_per_node=8 train_gpt2.py` on 8 GPUs. Down to the "# ====" banner: GPT-2's pretraining,
-which trains alone as train(TrainConfig()); after it, the options and checks main() hands it."""
+which trains alone as train(TrainConfig(...)); after it, the options and checks main() adds."""
 
 import collections
 import contextlib
@@ -217,8 +217,8 @@ def init_distributed(launch: Launch, device: str):
     """Under torchrun, join the process group: gloo for CPU tensors, NCCL for CUDA's."""
     if device.startswith("cuda"):
         torch.cuda.set_device(device)  # no stray context on GPU 0
-    if launch.torchrun:  # first: imported later, their default arguments would hold the group
-        from torch.distributed import nn as _nn, optim as _optim  # noqa: F401 (see main()'s end)
+    if launch.torchrun:  # imported after the group, these hold it in default arguments: gloo's
+        from torch.distributed import nn as _nn, optim as _optim  # noqa: F401 (abort at exit)
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, rank=launch.rank, world_size=launch.world_size,
                                 timeout=datetime.timedelta(minutes=20))  # outlasts a gpt2-xl save
@@ -269,7 +269,7 @@ class TrainConfig:
     vocab_size: int = flag(0, "embedding rows; 0: the tokenizer's, padded (GPT-2: 50304)", "model")
     dropout: float = flag(0.0, "dropout where GPT-2 had it (0.1 to fine-tune)", "model")
     data_dir: str = flag("", "fineweb.py's .npy shards' folder; empty: --text_file", "data")
-    text_file: str = flag("", "text split 90/10 into train/val (default: tiny Shakespeare)", "data")
+    text_file: str = flag("", "text split 90/10 into train/val (default: input.txt)", "data")
     total_batch_size: int = flag(2**19, "tokens a step, all processes (GPT-3 small: 0.5M)", "batch")
     micro_batch_size: int = flag(64, "sequences per forward/backward pass per process", "batch")
     seq_len: int = flag(1024, "tokens per training sequence (at most --block_size)", "batch")
@@ -291,7 +291,7 @@ class TrainConfig:
     top_k: int = flag(50, "sample among the k most likely tokens", "logging")
     prompt: str = flag("Hello, I'm a language model,", "text the samples continue", "logging")
     hellaswag_every: int = flag(0, "HellaSwag every N steps and at the end; 0: never", "logging")
-    hellaswag_path: str = flag("", "hellaswag_val.jsonl (default: downloaded once)", "logging")
+    hellaswag_path: str = flag("", "hellaswag_val.jsonl (main(): downloaded once)", "logging")
     log_dir: str = flag("log", "folder for metrics.jsonl and checkpoints", "logging")
     device: str = flag("auto", "auto (the machine picks), cpu, cuda, cuda:N or mps", "runtime")
     dtype: str = flag("auto", "auto (the machine picks), float32, bfloat16 or float16", "runtime",
@@ -332,7 +332,7 @@ def new_model(cfg: TrainConfig) -> GPT:  # of the flags' shape, the same on ever
 
 def weights_to_score(model: GPT, scored: GPT | None = None) -> GPT:
     """The weights that validation, HellaSwag, samples and the run modes (checkpoints' "model")
-    score: model's. An EMA returns a copy (scored None: before step 0) that it moves each step."""
+    score: model's. For an EMA, return a copy (scored is None before step 0) and move it here."""
     return model
 
 def shard_paths(data_dir, split) -> list[Path]:  # fineweb.py's PREFIX_{split}_000001.npy
@@ -378,7 +378,7 @@ class Run:
     make_optimizers = staticmethod(configure_optimizers)  # main()'s: Muon beside AdamW, ZeRO-1
 
     def log(self, line: str, record: dict | None = None):
-        """Rank 0 prints the line and keeps its figures (a step's, an evaluation's)."""
+        """Rank 0 prints the line, keeps its figures (main()'s checks a step's: NaN stops all)."""
         if self.launch.rank == 0:
             print(line, flush=True)
             self.records += [record] if record else []
@@ -410,7 +410,7 @@ def train(cfg: TrainConfig, make_run=Run) -> TrainResult:
     raw_model = run.prepare(new_model(cfg))  # (main()'s: --init_from's weights, the options)
     scored = weights_to_score(raw_model)  # what is validated, sampled, saved as "model": see there
     # model trains. Compiled: fused kernels, fewer trips to memory. DDP: a copy a process;
-    # gradients averaged in backward (one a batch skipped, an idle MoE expert: as 0)
+    # gradients averaged in backward (a parameter a batch did not use, say an MoE's: as 0)
     model = torch.compile(raw_model) if cfg.compile else raw_model
     if launch.torchrun:
         model = DDP(model, gradient_as_bucket_view=True, find_unused_parameters=True)
@@ -462,7 +462,7 @@ def train(cfg: TrainConfig, make_run=Run) -> TrainResult:
         scored = weights_to_score(raw_model, scored)  # an EMA moves toward the new weights
         loss, grad_norm = loss.item(), grad_norm.item()  # the step's one wait for the device
         ms = (time.perf_counter() - started) * 1000
-        tokens_per_s = cfg.total_batch_size * 1000 / ms  # (main()'s run stops a diverged loss)
+        tokens_per_s = cfg.total_batch_size * 1000 / ms
         run.log(f"step {step:5d}/{cfg.max_steps} | loss {loss:.6f} | lr {lr:.4e} | norm "
                 f"{grad_norm:.4f} | {ms:.0f} ms | {tokens_per_s:,.0f} tok/s", dict(step=step,
                 train_loss=loss, lr=lr, grad_norm=grad_norm, ms=ms, tokens_per_s=tokens_per_s))
@@ -1542,7 +1542,7 @@ def check_paths_agree(model: GPT, device):
         raise RunError(f"the logits of training's forward and of {paths[i >= first_step]} differ "
                        f"at position {i} by {difference[i]:.3g}: {edit}")
 
-def kv_caches(model: GPT) -> list[KVCache]:
+def kv_caches(model: GPT) -> list["KVCache"]:
     return [KVCache(model.config.block_size) for _ in model.transformer.h]
 
 class KVCache:

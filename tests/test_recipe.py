@@ -122,8 +122,12 @@ def test_the_recipe_joins_its_process_group_and_leaves_it_after_a_barrier(tmp_pa
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}.items():
         monkeypatch.setenv(name, str(value))
     calls = []
+
+    def recorded(name):
+        real = getattr(dist, name)
+        return lambda: (calls.append(name), real())[1]
     for name in ("barrier", "destroy_process_group"):
-        monkeypatch.setattr(dist, name, lambda real=getattr(dist, name), name=name: (calls.append(name), real())[1])
+        monkeypatch.setattr(dist, name, recorded(name))
     config = {**TINY, "max_steps": 1, "eval_every": 0, "sample_every": 0, "ckpt_every": 0, "hellaswag_every": 0}
     result = t.train(t.TrainConfig(**config, log_dir=str(tmp_path)))
     assert calls == ["barrier", "destroy_process_group"] and not dist.is_initialized()
