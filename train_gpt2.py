@@ -1261,7 +1261,9 @@ class CheckedRun(Run):
                 if os.path.isfile(cfg.init_from) else "") + "".join(
                 f"; {flag} {saved['path']} was written by a train_gpt2.py {apart} line"
                 f"{'s' * (apart > 1)} apart"
-                for flag, saved, apart in self.code_changes()))]))
+                for flag, saved, apart in self.code_changes()) + (
+                "" if visible_is_causal(model.config.block_size) else "; visible() is not causal "
+                "alone: attention takes its mask, not SDPA's fused causal kernel"))]))
 
     def code_changes(self):
         """(flag, checkpoint, lines added or removed) where a checkpoint's code differs."""
