@@ -76,6 +76,20 @@ def test_attention_passes_visibles_mask_until_main_checks_that_it_is_causal():
         assert fused(tiny_model()) == [False, False]
 
 
+def test_the_start_line_says_when_attention_takes_visibles_mask(tmp_path, capsys):
+    """An edited visible() costs the fused kernel's speed: the run says so on its start line (a reader found it
+    silent); GPT-2's mask says nothing."""
+    from conftest import TINY_ARGS
+
+    said = "visible() is not causal alone: attention takes its mask, not SDPA's fused causal kernel"
+    for mask, log_dir in ((gpt2_mask, "plain"), (document_mask, "documents")):
+        with visible_as(mask):
+            t.main(t.parse_args(TINY_ARGS + ["--max_steps", "1", "--warmup_steps", "1", "--log_dir",
+                                             str(tmp_path / log_dir)]))
+        start_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("device "))
+        assert (said in start_line) == (mask is document_mask), start_line
+
+
 @pytest.mark.recipe
 def test_lm_head_is_tied_to_the_token_embedding():
     model = tiny_model()
