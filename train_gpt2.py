@@ -327,7 +327,7 @@ def is_due(every: int, steps_done: int, last_step: bool) -> bool:
 
 def new_model(cfg: TrainConfig) -> GPT:  # of the flags' shape, the same on every rank (seeded)
     torch.manual_seed(cfg.seed)
-    shape = {name: getattr(cfg, name) for name in GPTConfig.__dataclass_fields__}
+    shape = {k: v for k, v in vars(cfg).items() if k in GPTConfig.__dataclass_fields__}
     return GPT(GPTConfig(**shape)).to(cfg.device)
 
 def weights_to_score(model: GPT, scored: GPT | None = None) -> GPT:

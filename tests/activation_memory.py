@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train_gpt2  # noqa: E402
 
 GIB = 2**30
+LOSS_CHUNK_SIZE = 8192  # --loss_chunk_size 8192, as the out-of-memory line suggests
 
 
 def saved_bytes(model: train_gpt2.GPT, batch_size: int, seq_len: int) -> tuple[int, int]:
@@ -56,13 +57,13 @@ def main():
     args = parser.parse_args()
     torch.manual_seed(0)
     model = train_gpt2.GPT(train_gpt2.GPTConfig(12, 12, 768, block_size=1024, vocab_size=50304))  # GPT-2 124M
-    model.loss_chunk_size = 8192  # the default without compile
+    train_gpt2.with_options(model, train_gpt2.Config(loss_chunk_size=LOSS_CHUNK_SIZE))  # as a run's model
     measured_batch, seq_len = 2, 1024
     batch_bytes, fixed_bytes = saved_bytes(model, measured_batch, seq_len)
     num_params = train_gpt2.count_parameters(model)
     activations = batch_bytes / measured_batch * args.micro_batch_size
     states = 16 * num_params  # float32 weights, gradients, AdamW exp_avg and exp_avg_sq
-    logits_slice = model.loss_chunk_size * model.config.vocab_size * (4 + 2)  # float32 logits + a bfloat16 copy
+    logits_slice = LOSS_CHUNK_SIZE * model.config.vocab_size * (4 + 2)  # float32 logits + a bfloat16 copy
     print(f"saved for backward: {batch_bytes / measured_batch / 2**20:.1f} MiB a sequence of {seq_len} tokens, "
           f"{fixed_bytes / 2**20:.0f} MiB that do not grow with it (weight copies, the loss's weight gradient)")
     print(f"micro batch {args.micro_batch_size} x {seq_len}: activations {activations / GIB:.2f} GiB + weights, "

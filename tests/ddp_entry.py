@@ -12,6 +12,8 @@
                                                micro-step a step)
     ddp_entry.py hash_routed OUT FLAGS...      train as `train` does, a GPT whose MLPs are mixtures of experts
                                                (conftest.hash_routed_gpt): an expert some batches skip
+    ddp_entry.py dropout_masks OUT FLAGS...    train, each rank saving to OUT.rank<N> the embeddings' dropout mask of
+                                               each training forward, stacked (forwards, B, T, C)
     ddp_entry.py grad_sync OUT                 train()'s first accumulated step both ways; rank 0 saves both
                                                gradients
     ddp_entry.py card NAME[:BUILD] FLAGS...    train on a machine of 2 of conftest.CARDS[NAME], as torch reports them
@@ -73,15 +75,32 @@ def nan_loss(rank, step, flags):
     training_forwards = [0]
 
     def forward_that_diverges_on_one_rank(self, idx, targets=None):
-        logits, loss = plain_forward(self, idx, targets)
+        out = plain_forward(self, idx, targets)  # the logits, or with targets the loss
         if targets is not None and self.training and os.environ["RANK"] == rank:
             training_forwards[0] += 1
             if training_forwards[0] == step + 1:
-                return logits, loss * float("nan")  # its gradients are NaN too, and DDP averages them into every rank's
-        return logits, loss
+                return out * float("nan")  # its gradients are NaN too, and DDP averages them into every rank's
+        return out
 
     train_gpt2.GPT.forward = forward_that_diverges_on_one_rank
     train_gpt2.main(train_gpt2.parse_args(flags))
+
+
+def dropout_masks(out, flags):
+    masks, new_model = [], train_gpt2.new_model
+
+    def keep_mask(module, inputs, output):  # (B, T, C): the activations dropout zeroed
+        if module.training:
+            masks.append((output == 0) & (inputs[0] != 0))
+
+    def new_model_keeping_masks(cfg):
+        model = new_model(cfg)
+        model.transformer.drop.register_forward_hook(keep_mask)
+        return model
+
+    train_gpt2.new_model = new_model_keeping_masks
+    train_gpt2.main(train_gpt2.parse_args(flags))
+    torch.save(torch.stack(masks), f"{out}.rank{os.environ['RANK']}")
 
 
 def idle_parameter(flags):
@@ -107,17 +126,17 @@ def grad_sync(out):
     flags = TINY_ARGS + ["--block_size", "16", "--seq_len", "16", "--micro_batch_size", "2", "--total_batch_size",
                          "256", "--max_steps", "1", "--warmup_steps", "1", "--ckpt_every", "0"]
     gradients, models = [], []
-    configure_optimizers, all_reduce_mean = train_gpt2.configure_optimizers, train_gpt2.all_reduce_mean
+    new_model, all_reduce_mean = train_gpt2.new_model, train_gpt2.all_reduce_mean
 
-    def configure_optimizers_seeing_the_model(model, *args, **kwargs):
-        models.append(model)  # train()'s plain model, inside its DDP wrapper
-        return configure_optimizers(model, *args, **kwargs)
+    def new_model_seen(cfg):
+        models.append(new_model(cfg))  # train()'s plain model, inside its DDP wrapper
+        return models[-1]
 
     def all_reduce_mean_after_the_micro_steps(value, launch):
         gradients.append({n: p.grad.clone() for n, p in models.pop().named_parameters()})
         return all_reduce_mean(value, launch)
 
-    train_gpt2.configure_optimizers = configure_optimizers_seeing_the_model
+    train_gpt2.new_model = new_model_seen
     train_gpt2.all_reduce_mean = all_reduce_mean_after_the_micro_steps
     no_sync = DDP.no_sync
     for sync_last_only in (True, False):
@@ -127,7 +146,7 @@ def grad_sync(out):
         # it frees its DDP model when it returns: the reducer holds the process group and, freed after
         # destroy_process_group, would destroy the group itself, which joins gloo's threads while holding the GIL that
         # one of them may be waiting for (PyTorch #56297): this launch once hung so
-        train_gpt2.train(cfg, train_gpt2.Run(cfg, launch))
+        train_gpt2.train(cfg)  # the recipe's Run (train() reads the launch from torchrun's variables)
     DDP.no_sync = no_sync
     assert len(gradients) == 2, len(gradients)
     if launch.rank == 0:
@@ -171,6 +190,8 @@ def run(command, args):
         own_folders(args[0], args[1:])
     elif command == "nan_loss":
         nan_loss(args[0], int(args[1]), args[2:])
+    elif command == "dropout_masks":
+        dropout_masks(args[0], args[1:])
     elif command == "idle_parameter":
         idle_parameter(args)
     elif command == "hash_routed":

@@ -34,9 +34,9 @@ def main():
         for i in range(4):
             np.save(Path(folder) / f"mem_train_{i:06d}.npy",
                     np.random.default_rng(i).integers(0, 50257, shard_tokens, dtype=np.uint16))
-        run = train_gpt2.CheckedRun(train_gpt2.TrainConfig(device="cpu", data_dir=folder))
-        stream = train_gpt2.TokenStream([run.open_shard(p) for p in run.shard_paths("train")])
-        loader = train_gpt2.DataLoader(stream, B, T, 0, 1, True, 0)
+        stream = train_gpt2.TokenStream([np.load(path, mmap_mode="r")  # as a run maps them
+                                         for path in train_gpt2.shard_paths(folder, "train")])
+        loader = train_gpt2.ShuffledLoader(stream, B, T, 0, 1, seed=0)  # --shuffle's
         before = memory_mib()
         started = time.perf_counter()
         while loader.epoch == 0:

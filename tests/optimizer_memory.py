@@ -29,10 +29,10 @@ def main():
     raw_model = train_gpt2.GPT(train_gpt2.GPTConfig(n_layer=12, n_head=12, n_embd=768))
     model = DDP(raw_model, gradient_as_bucket_view=True)
     sharded = cfg.shard_optimizer
-    [optimizer] = train_gpt2.configure_optimizers(raw_model, cfg, fused=False, sharded=sharded)
+    [optimizer] = train_gpt2.make_optimizers(raw_model, cfg, launch)  # --shard_optimizer: ZeRO-1's
     tokens = torch.randint(0, 50257, (1, 64), generator=torch.Generator().manual_seed(0))
     for _ in range(3):
-        model(tokens, tokens)[1].backward()  # (logits, loss)
+        model(tokens, tokens).backward()  # the loss
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     state = optimizer.optim.state if sharded else optimizer.state  # ZeRO's own AdamW holds this rank's share

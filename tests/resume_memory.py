@@ -22,12 +22,12 @@ import train_gpt2  # noqa: E402
 
 def write_checkpoint(path: str) -> None:
     model = train_gpt2.GPT(train_gpt2.GPTConfig(n_layer=12, n_head=12, n_embd=768))
-    [optimizer] = train_gpt2.configure_optimizers(model, train_gpt2.parse_args([]), fused=False, sharded=False)
+    [optimizer] = train_gpt2.configure_optimizers(model, train_gpt2.parse_args([]))
     tokens = torch.randint(0, 50257, (1, 16), generator=torch.Generator().manual_seed(0))
-    model(tokens, tokens)[1].backward()  # (logits, loss)
+    model(tokens, tokens).backward()  # the loss
     optimizer.step()  # creates AdamW's two moments for every weight
     state = {"model": model.state_dict(), "model_config": vars(model.config), "optimizer": [optimizer.state_dict()],
-             "scaler": {}, "step": 1, "config": {}, "data_epoch": 0, "data_position": 0, "rng": {}}  # what a checkpoint holds
+             "scaler": {}, "step": 1, "config": {}, "data_epoch": 0, "data_position": 0}  # what a checkpoint holds
     train_gpt2.save_checkpoint(path, state, keep=0)
 
 

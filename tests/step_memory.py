@@ -37,13 +37,15 @@ def main():
     torch.manual_seed(0)
     config = train_gpt2.GPTConfig(args.n_layer, args.n_head, args.n_embd, block_size=1024, vocab_size=50304)
     model = train_gpt2.GPT(config)
-    model.loss_chunk_size = args.loss_chunk_size
-    if args.recompute:
-        model.recompute = True
+    if hasattr(train_gpt2, "with_options"):  # the options wrap the recipe's model, as a run's
+        train_gpt2.with_options(model, train_gpt2.Config(loss_chunk_size=args.loss_chunk_size,
+                                                         recompute=args.recompute))
+    else:  # a train_gpt2.py before issue 70 (--code): the model's attributes
+        model.loss_chunk_size, model.recompute = args.loss_chunk_size, args.recompute
     tokens = torch.randint(0, 50304, (args.batch_size, 1024))
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB (Linux)
     started = time.perf_counter()
-    out = model(tokens, tokens)  # (logits, loss); the loss alone from a train_gpt2.py before issue 50 (--code)
+    out = model(tokens, tokens)  # the loss; (logits, loss) from a train_gpt2.py of issues 50 to 69 (--code)
     loss = out[1] if isinstance(out, tuple) else out
     if not args.hold_logits:  # as train() does: the logits let go before backward
         del out

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train_gpt2 as t
-from conftest import checked_run, ROOT, SHAKESPEARE, TINY_ARGS, named, run_script, single_thread
+from conftest import ROOT, SHAKESPEARE, TINY_ARGS, named, run_script, single_thread
 from resume_memory import resident_gib
 from test_ddp import ENTRY, ONE_THREAD, assert_every_rank_stopped_with_one_line, torchrun
 
@@ -124,20 +124,30 @@ def test_a_log_the_disk_cannot_take_under_torchrun_stops_every_rank_with_one_lin
 
 
 def test_with_dropout_two_processes_draw_their_own_masks_and_resume_exactly(tmp_path):
-    """Each rank seeds its dropout generator with --seed + rank, and the checkpoint holds every rank's state. The
-    uninterrupted run writes ckpt_3.pt as it goes; a new launch goes on from it in a folder of its own, as from a
-    run stopped there (kill -9 after it: metrics.jsonl's later records are dropped), and must log the same losses."""
-    args = ["train_gpt2.py"] + EIGHT_STEPS + ["--dropout", "0.1", "--ckpt_every", "3", "--keep_ckpts", "0"]
-    straight = torchrun(2, args + ["--log_dir", str(tmp_path / "straight")])
+    """Each rank seeds dropout's generator each step from (--seed, step, rank), so a checkpoint holds no generator
+    state. The uninterrupted run writes ckpt_3.pt as it goes; a new launch goes on from it in a folder of its own, as
+    from a run stopped there (kill -9 after it: metrics.jsonl's later records are dropped), and must draw the same
+    masks and log the same losses. Each rank saves the embeddings' dropout mask of every training step."""
+    args = EIGHT_STEPS + ["--dropout", "0.1", "--ckpt_every", "3", "--keep_ckpts", "0"]
+    straight = torchrun(2, [ENTRY, "dropout_masks", str(tmp_path / "straight")] + args +
+                        ["--log_dir", str(tmp_path / "straight")])
     assert straight.returncode == 0, straight.stderr
     (tmp_path / "log").mkdir()
     for name in ("ckpt_3.pt", "ckpt_3.pt.sha256", "metrics.jsonl"):
         shutil.copy(tmp_path / "straight" / name, tmp_path / "log")
-    states = torch.load(tmp_path / "log" / "ckpt_3.pt")["rng"]
-    assert len(states) == 2 and not torch.equal(states[0]["torch_cpu"], states[1]["torch_cpu"])
-    resumed = torchrun(2, args + ["--log_dir", str(tmp_path / "log"), "--resume", "auto"])
+    assert "rng" not in torch.load(tmp_path / "log" / "ckpt_3.pt")
+    resumed = torchrun(2, [ENTRY, "dropout_masks", str(tmp_path / "resumed")] + args +
+                       ["--log_dir", str(tmp_path / "log"), "--resume", "auto"])
     assert resumed.returncode == 0, resumed.stderr
     assert logged(tmp_path / "log") == logged(tmp_path / "straight")
+    masks = {(run, rank): torch.load(tmp_path / f"{run}.rank{rank}") for run in ("straight", "resumed") for rank in (0, 1)}
+    assert masks["straight", 0].shape == (8, 4, 32, 32)  # a step's one micro-batch (B, T, C) a rank
+    assert 0.05 < masks["straight", 0].float().mean() < 0.15  # about --dropout's share of the activations
+    for step in range(8):  # each rank its own masks, each step new ones
+        assert not torch.equal(masks["straight", 0][step], masks["straight", 1][step])
+        assert step == 0 or not torch.equal(masks["straight", 0][step], masks["straight", 0][step - 1])
+    for rank in (0, 1):  # the resumed run's steps 3 to 7 drew the uninterrupted run's masks
+        assert torch.equal(masks["resumed", rank], masks["straight", rank][3:])
 
 
 @pytest.mark.parametrize("started", ["anew", "from a checkpoint"])
@@ -234,7 +244,9 @@ def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):
     run(["--max_steps", "3", "--warmup_steps", "1"], tmp_path)
     checkpoint = torch.load(tmp_path / "ckpt_3.pt", weights_only=True)  # the safe loader reads it
     assert set(checkpoint) == {"model", "trained_model", "model_config", "optimizer", "scaler", "step", "config",
-                               "data_epoch", "data_position", "train_tokens", "n_vocab", "rng", "source"}  # source: the train_gpt2.py that wrote it
+                               "data_epoch", "data_position", "train_tokens", "n_vocab", "source"}  # source: the train_gpt2.py that wrote it
+    # no generator state: dropout's generator is seeded each step from (--seed, step, rank), the data order from
+    # (--seed, epoch)
     # "model": the weights scored (t.weights_to_score), here the trained ones: one copy in the file
     assert all(checkpoint["trained_model"][name].data_ptr() == weight.data_ptr()
                for name, weight in checkpoint["model"].items())
@@ -245,9 +257,6 @@ def test_checkpoint_holds_plain_names_and_everything_resume_needs(tmp_path):
     assert checkpoint["train_tokens"] == 304_222  # tiny Shakespeare's first 90%
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in checkpoint["model"])
     assert checkpoint["config"]["n_embd"] == 32
-    # one process's torch generators: the script draws from no other (dropout from these, the data order from its
-    # own seeded one)
-    assert [set(states) for states in checkpoint["rng"]] == [{"torch_cpu", "torch_cuda"}]
     assert (tmp_path / "ckpt_3.pt.sha256").read_text().strip() == t.file_sha256(str(tmp_path / "ckpt_3.pt"))
 
 
@@ -264,20 +273,26 @@ def test_a_checkpoint_written_before_trained_model_was_kept_apart_resumes_exactl
                           for log_dir in (tmp_path / "older", straight)))
 
 
-def test_a_checkpoint_restores_the_cuda_generator_of_this_runs_gpu_only(monkeypatch):
-    """CUDA stubbed. A checkpoint holds the generator state of the run's own GPU. Older ones hold one for every GPU of
-    the machine (GPU 0's first): restoring all 8 of them on a machine with fewer GPUs raised IndexError; now the
-    first is restored on this run's GPU, and none on the CPU."""
-    restored = []
-    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: torch.full((16,), 7, dtype=torch.uint8))
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((int(state[0]), device)))
-    states = t.rng_states("cuda:0")
-    assert [int(state[0]) for state in states["torch_cuda"]] == [7]
-    assert t.rng_states("cpu")["torch_cuda"] == []
-    states["torch_cuda"] = [torch.full((16,), gpu, dtype=torch.uint8) for gpu in range(8)]  # an older checkpoint
-    t.restore_rng_states(states, "cuda:0")
-    t.restore_rng_states(states, "cpu")
-    assert restored == [(0, "cuda:0")]
+def test_a_checkpoint_that_holds_generator_states_resumes_with_dropout_exactly(one_thread, tmp_path):
+    """Checkpoints held each rank's torch generator states ("rng": CPU, and one for every GPU of the machine in older
+    ones, whose restore raised IndexError on a machine with fewer). Dropout's generator is now seeded each step from
+    (--seed, step, rank): such a checkpoint resumes as any other, its states unread, and draws the same masks as the
+    uninterrupted run."""
+    dropout = ["--dropout", "0.1", "--ckpt_every", "4", "--keep_ckpts", "0"]
+    run(dropout, tmp_path / "straight")
+    checkpoint = torch.load(tmp_path / "straight" / "ckpt_4.pt", weights_only=True)
+    assert "rng" not in checkpoint
+    other = torch.Generator().manual_seed(7).get_state()  # not the state the run had
+    checkpoint["rng"] = [{"torch_cpu": other, "torch_cuda": [torch.full((16,), gpu, dtype=torch.uint8)
+                                                            for gpu in range(8)]}]
+    (tmp_path / "older").mkdir()
+    torch.save(checkpoint, tmp_path / "older" / "ckpt_4.pt")
+    shutil.copy(tmp_path / "straight" / "metrics.jsonl", tmp_path / "older")  # its later records are dropped
+    resumed = run(dropout + ["--resume", "auto"], tmp_path / "older")
+    assert [r["step"] for r in resumed.run.records if "train_loss" in r] == [4, 5, 6, 7]
+    assert logged(tmp_path / "older") == logged(tmp_path / "straight")
+    assert_same_weights(torch.load(tmp_path / "older" / "ckpt_8.pt")["model"],
+                        torch.load(tmp_path / "straight" / "ckpt_8.pt")["model"])
 
 
 def test_resuming_on_other_training_data_says_the_data_position_no_longer_matches(tmp_path, capsys):
@@ -287,7 +302,7 @@ def test_resuming_on_other_training_data_says_the_data_position_no_longer_matche
     run(["--resume", "auto", "--stop_after_steps", "2"], tmp_path)  # the same data: no warning
     assert "warning" not in capsys.readouterr().out
     run(["--resume", "auto", "--text_file", str(shorter)], tmp_path)
-    train_tokens = len(checked_run().text_tokens(str(shorter))) * 9 // 10
+    train_tokens = len(t.tokenizer().encode_ordinary(shorter.read_text())) * 9 // 10  # the recipe's 90/10 split
     assert (f"warning: the training data holds {train_tokens:,} tokens, the checkpoint's held 304,222: its data "
             "position points at other tokens now; resume with the checkpoint's data to go on exactly") in \
         capsys.readouterr().out.splitlines()
@@ -665,11 +680,9 @@ def test_resume_checks_a_model_field_a_hacker_adds_and_names_a_changed_flag_adde
     def config_with(kv_heads):
         return dataclasses.make_dataclass("GPTConfig", [("n_kv_head", int, kv_heads)], bases=(t.GPTConfig,))
 
-    fields = [(f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
-              for f in dataclasses.fields(t.TrainConfig)]
-    # at the end of TrainConfig, after the checkpoints' flags: its section is its own, not its place's
-    fields.append(("lr_floor", float, t.flag(0.0, "a hacker's flag: the lowest learning rate", "optimizer")))
-    monkeypatch.setattr(t, "TrainConfig", dataclasses.make_dataclass("TrainConfig", fields))
+    # after every flag, the checkpoints' and the run modes': its section is its own, not its place's
+    lr_floor = ("lr_floor", float, t.flag(0.0, "a hacker's flag: the lowest learning rate", "optimizer"))
+    monkeypatch.setattr(t, "Config", dataclasses.make_dataclass("Config", [lr_floor], bases=(t.Config,)))
     monkeypatch.setattr(t, "GPTConfig", config_with(2))
     assert t.parse_args(["--lr_floor", "1e-5"]).lr_floor == 1e-5
     run(["--max_steps", "4", "--warmup_steps", "1"], tmp_path)
@@ -746,8 +759,9 @@ def test_a_resume_at_another_seq_len_reads_next_the_token_where_it_stopped(tmp_p
     t.main(t.parse_args(args + ["--stop_after_steps", "2"]))
     capsys.readouterr()
     t.main(t.parse_args(args + ["--resume", "auto", "--seq_len", "64"]))
-    assert ("--seq_len 32 -> 64: the data goes on from its next unread token, 512 of epoch 0\n"
-            "resumed from step 2 (token 512 of epoch 0)\n") in capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()  # the first line as the checkpoint is read, the second as train() resumes
+    assert out.index("--seq_len 32 -> 64: the data goes on from its next unread token, 512 of epoch 0") < \
+        out.index("resumed from step 2 (token 512 of epoch 0)")
     assert [x.shape[1] for x in batches] == [32] * 4 + [64] * 6  # 2 steps of 2 micro-steps, then 6 steps of 1
     assert_read_in_order(batches)
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+import types
 import typing
 
 import numpy as np
@@ -148,12 +149,20 @@ def test_importing_the_scripts_does_no_work_and_loads_only_what_every_run_needs(
     assert (result.returncode, result.stdout, result.stderr) == (0, "False []\n", "")
 
 
+def fields_in_help_order() -> list:
+    """Config's fields (the recipe's TrainConfig's first) under their sections, each section where its first field
+    is: within a section, in Config's order."""
+    fields = dataclasses.fields(t.Config)
+    sections = list(dict.fromkeys(f.metadata["section"] for f in fields))
+    return sorted(fields, key=lambda f: sections.index(f.metadata["section"]))
+
+
 def test_help_explains_every_flag_under_its_section_within_the_terminal():
     """It was 157 lines in one flat list; then 200 columns wide, which wrapped on an 80-column terminal."""
     result = run_script(["--help"], env={"COLUMNS": "80"})
     assert result.returncode == 0
     assert max(len(line) for line in result.stdout.splitlines()) <= 80
-    sections = ["model", "data", "batch", "optimizer", "logging", "runtime", "run modes", "checkpoints"]
+    sections = ["model", "data", "batch", "optimizer", "logging", "runtime", "checkpoints", "run modes"]
     found, flags, helps = [], [], []
     for line in result.stdout.splitlines():
         if line.rstrip(":") in sections:
@@ -164,7 +173,8 @@ def test_help_explains_every_flag_under_its_section_within_the_terminal():
         elif line.startswith("    ") and helps:  # the help's next line
             helps[-1] += " " + line.strip()
     assert found == sections
-    assert [name for _, name in flags] == [f"--{field.name}" for field in dataclasses.fields(t.TrainConfig)]
+    assert [name for _, name in flags] == [f"--{field.name}" for field in fields_in_help_order()]
+    assert flags == [(field.metadata["section"], f"--{field.name}") for field in fields_in_help_order()]
     assert all("(default" in text for text in helps), helps
     assert ("batch", "--micro_batch_size") in flags and ("model", "--dropout") in flags
     assert any("a GPU's peak TFLOP/s, for MFU (default: the machine picks)" in text for text in helps)
@@ -181,8 +191,9 @@ def test_help_gives_each_flag_one_line_at_100_columns_in_the_readmes_section_ord
     assert all(re.fullmatch(r"  --\S+( \w+)? +\S.{10,}", line) and len(line) <= 100 for line in flags), flags
     assert [line.split()[0] for line in flags] == [
         f"--[no-]{f.name}" if bool in (typing.get_args(f.type) or [f.type]) else f"--{f.name}"
-        for f in dataclasses.fields(t.TrainConfig)]
-    said = re.search(r"under the section its\s+`TrainConfig` field names: ([^.]+)\.", README.read_text())
+        for f in fields_in_help_order()]
+    said = re.search(r"under the section its\s+`Config` field names: ([^.]+)\.", README.read_text())
+    assert said, "the README's sentence naming --help's sections (`Config` field names: ...) is gone"
     assert sections == [name.replace(" (and schedule)", "") for name in re.split(r",\s+", said[1])]
 
 
@@ -209,7 +220,7 @@ def test_a_file_given_to_data_dir_points_to_text_file(capsys, tmp_path):
 def test_every_flag_takes_hyphens_too_as_torchrun_does():
     """`--max-steps 5` got "did you mean --max_lr?" (issue 56). --help lists the underscores alone: see
     test_help_explains_every_flag_under_its_section_within_the_terminal."""
-    for field in dataclasses.fields(t.TrainConfig):
+    for field in dataclasses.fields(t.Config):
         hyphens = field.name.replace("_", "-")
         if bool in (typing.get_args(field.type) or [field.type]):
             for given, expected in ((f"--{hyphens}", True), (f"--no-{hyphens}", False)):
@@ -319,8 +330,9 @@ def test_a_plain_run_on_a_gpu_machine_starts_on_cuda_0(flags, monkeypatch, tmp_p
     selected, started = [], []
     report_card("h100", monkeypatch.setattr)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: selected.append(_get_device_index(device)))
-    monkeypatch.setattr(t, "train", lambda cfg, run: started.append(run.cfg.device) or "trained")
-    assert t.main(t.parse_args(flags + ["--log_dir", str(tmp_path)])) == "trained"
+    trained = t.TrainResult(None, types.SimpleNamespace(finish=lambda: None))  # main() calls its run's finish()
+    monkeypatch.setattr(t, "train", lambda cfg, make_run: started.append(cfg.device) or trained)
+    assert t.main(t.parse_args(flags + ["--log_dir", str(tmp_path)])) is trained
     assert selected == [0] and started == ["cuda:0"]
     with pytest.raises(ValueError, match="Expected a torch.device with a specified index"):
         torch.cuda.set_device("cuda")  # the stand-in rejects what the real call rejected

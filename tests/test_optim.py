@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -46,7 +47,7 @@ def test_lr_schedule_without_warmup_starts_at_peak():
 
 def test_weight_decay_applies_to_exactly_the_2d_tensors():
     model = tiny_model()
-    [optimizer] = t.configure_optimizers(model, t.parse_args([]), fused=False)
+    [optimizer] = t.configure_optimizers(model, t.parse_args([]))
     decayed, not_decayed = optimizer.param_groups
     assert (decayed["weight_decay"], not_decayed["weight_decay"]) == (0.1, 0.0)
     names = {id(p): n for n, p in model.named_parameters()}  # the tied matrix is listed once, as wte
@@ -64,7 +65,7 @@ def test_weight_decay_applies_to_exactly_the_2d_tensors():
 
 def test_muon_takes_the_blocks_matrices_and_adamw_keeps_the_embeddings_biases_and_layernorms():
     model = tiny_model()
-    adamw, muon = t.configure_optimizers(model, t.parse_args(["--optimizer", "muon", "--max_lr", "0.02"]), fused=False)
+    adamw, muon = t.make_optimizers(model, t.parse_args(["--optimizer", "muon", "--max_lr", "0.02"]), t.Launch())
     names = {id(p): n for n, p in model.named_parameters()}
     assert type(muon) is torch.optim.Muon and len(muon.param_groups) == 1
     assert {names[id(p)] for p in muon.param_groups[0]["params"]} == {
@@ -85,26 +86,20 @@ def test_muon_is_refused_in_one_line_by_a_pytorch_without_it(monkeypatch):
         t.check_config(t.parse_args(["--optimizer", "muon"]), world_size=1)
 
 
-def train_steps(model, optimizer, batches):
-    for x, y in batches:
-        optimizer.zero_grad()
-        model(x, y)[1].backward()
-        optimizer.step()
-
-
 def test_fused_adamw_the_cuda_default_steps_like_the_plain_one(one_thread):
-    """CUDA runs take the fused AdamW kernel; PyTorch also has it for CPU, so its update is checked here."""
+    """CUDA runs take the fused AdamW kernel; PyTorch also has it for CPU, so its update is checked here (a cfg whose
+    device is cuda picks it; the model stays on the CPU)."""
     cfg = t.parse_args(["--warmup_steps", "0", "--max_steps", "10"])
     initial = [p.detach().clone() for p in tiny_model().parameters()]
     x = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
     results = []
-    for fused in (False, True):
+    for device, fused in (("cpu", False), ("cuda", True)):
         model = tiny_model()
-        [optimizer] = t.configure_optimizers(model, cfg, fused=fused)
+        [optimizer] = t.configure_optimizers(model, dataclasses.replace(cfg, device=device))
         assert optimizer.defaults["fused"] is fused
         for _ in range(3):
             optimizer.zero_grad(set_to_none=True)
-            model(x, x)[1].backward()
+            model(x, x).backward()
             optimizer.step()
         results.append([p.detach().clone() for p in model.parameters()])
     plain, fused = results
