@@ -1002,7 +1002,7 @@ class CheckedRun(Run):
             check_token_counts((train_tokens, val_tokens), cfg, with_val=cfg.eval_every > 0)
             if checkpoint is not None:  # it fits the model new_model() or --init_from makes
                 check_resumable(checkpoint, cfg, self.initial[0] if self.initial else GPTConfig(
-                    **{name: getattr(cfg, name) for name in GPTConfig.__dataclass_fields__}))
+                    **{k: v for k, v in vars(cfg).items() if k in GPTConfig.__dataclass_fields__}))
                 checkpoint = self.resumable(checkpoint, train_tokens)
                 step = checkpoint["step"]  # later ones: another branch, --resume auto's pick
                 later = [os.path.basename(p) for p in earlier if int(Path(p).stem[5:]) > step]
