@@ -625,8 +625,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 RESUME_AUTO = "run the same command with --resume auto"
 
 class RunError(Exception):
-    """Why a run cannot go on (a user mistake, a full disk, a corrupt checkpoint, a diverged loss,
-    an edit on one path alone): main() prints `error: ...` on rank 0, and all exit 2."""
+    """Why a run cannot go on (a mistake, a full disk, a corrupt checkpoint, a diverged loss, an
+    edit on one path alone): main() prints `error: ...` on rank 0; all exit 2."""
 
 class UnavailableError(RunError):
     """An input that cannot be had (a failed download, HellaSwag longer than the model):
@@ -970,11 +970,8 @@ def catching_stop_signals(say: bool):
 
 # ------------------------------ the hardened run
 class CheckedRun(Run):
-    """The recipe's Run, hardened: each input checked on every rank before any work (a problem on
-    one stops all; rank 0 says it), what is missing fetched, the options hooked in (--init_from,
-    --recompute, --loss_chunk_size, --shuffle, --optimizer muon, --shard_optimizer), files written
-    whole, metrics.jsonl (and TensorBoard), and the run's stops: a signal, --stop_after_steps, a
-    diverged loss, a failed write or a bad token stop all at a step's end."""
+    """The recipe's Run, hardened: inputs checked on every rank first (one problem stops all),
+    downloads, the options, files written whole, metrics.jsonl, and the run's stops."""
 
     def __init__(self, cfg, launch=None, stop_signal=None, notes=()):
         hellaswag_path = cfg.hellaswag_path or HELLASWAG_CACHE  # downloaded there once
@@ -1025,8 +1022,7 @@ class CheckedRun(Run):
         return inputs
 
     def token_streams(self) -> list:
-        """The recipe's (train, val) tokens, checked: the shards' folder and files, the text file
-        (downloaded where none is given); a token beyond the tokenizer's stops the run."""
+        """The recipe's (train, val) tokens, their folder, files and ids checked."""
         cfg = self.cfg
         if cfg.data_dir:
             check_data_dir(cfg.data_dir)
@@ -1113,7 +1109,7 @@ class CheckedRun(Run):
 
     def hellaswag(self):
         """Downloaded once where no --hellaswag_path is given, each record checked, then the
-        recipe's, packed in batches of up to 8,192 tokens (shortest first): 4.9x faster."""
+        recipe's, packed in batches of up to 8,192 tokens: 4.9x faster."""
         path, block_size = self.cfg.hellaswag_path, self.cfg.block_size
         if not os.path.exists(path):
             download(HELLASWAG_URL, path, "pass --hellaswag_path with a local copy of it")
@@ -1212,8 +1208,7 @@ class CheckedRun(Run):
                 RecordWriter(f).write(event.SerializeToString())
 
     def log(self, line, record=None):
-        """The recipe's, then the files (a failed write stops all at the step's end); a step's
-        line gains the time left and MFU, and its figures are checked (check_step)."""
+        """The recipe's, with the time left and MFU; then the files; then check_step."""
         if record and "train_loss" in record:
             line = self.time_left(record, line)
         if record and self.cfg.peak_tflops and "ms" in record:
@@ -1405,8 +1400,8 @@ def with_options(model: GPT, cfg) -> GPT:
     return model
 
 def recompute_blocks(model: GPT):
-    """--recompute: each block keeps only its input, and runs again in backward (PyTorch's
-    activation checkpointing, from outside the block); without gradients it runs once."""
+    """--recompute: each block keeps its input alone and runs again in backward (PyTorch's
+    activation checkpointing, wrapped around each block's forward)."""
     def recomputed(forward, *args):
         if not torch.is_grad_enabled():
             return forward(*args)
@@ -1897,9 +1892,8 @@ def generate_samples(cfg, device):
     return texts
 
 class CachedNextToken:
-    """generate()'s next_token with a KV cache a layer: only the tokens the caches lack run, the
-    prompt's at first, then the newest alone (step: sample_next, or a compiled copy). Once the
-    window slides past block_size, it rereads the window as the recipe does."""
+    """generate()'s next_token with a KV cache a layer: only the tokens the caches lack run (step:
+    sample_next or a compiled copy); past block_size, the window is reread."""
 
     def __init__(self, caches: list[KVCache], step=sample_next):
         self.caches, self.step, self.length = caches, step, 0  # tokens the caches hold
