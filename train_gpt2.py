@@ -547,12 +547,12 @@ def evaluate_hellaswag(model: GPT, batches: list[tuple], cfg: TrainConfig, launc
     return {"hellaswag_examples": int(total), "hellaswag_acc": right / total,
             "hellaswag_acc_norm": right_norm / total}
 
-def render_hellaswag(example: dict, tokenizer) -> tuple:
+def render_hellaswag(example: dict, vocab) -> tuple:
     """A batch of one example: tokens (4, L), the context then each ending; mask (4, L), 1 on
     the endings' tokens; labels (1,), the right one's. (main()'s run packs many to a batch.)"""
-    context = tokenizer.encode_ordinary(example["ctx"])
-    rows = [context + tokenizer.encode_ordinary(" " + ending) for ending in example["endings"]]
-    tokens, mask = torch.zeros(2, 4, max(len(row) for row in rows), dtype=torch.long)
+    context = vocab.encode_ordinary(example["ctx"])
+    rows = [context + vocab.encode_ordinary(" " + ending) for ending in example["endings"]]
+    tokens, mask = torch.zeros(2, 4, max(len(row) for row in rows), dtype=torch.long)  # 0: pad
     for i, row in enumerate(rows):
         tokens[i, : len(row)] = torch.tensor(row)
         mask[i, len(context) : len(row)] = 1
