@@ -44,10 +44,10 @@ TINY_ARGS_WITHOUT_SHAPE = [arg for flag, value in zip(TINY_ARGS[::2], TINY_ARGS[
 
 
 def checked_run(**config):
-    """train_gpt2's hardened Run for TrainConfig(device="cpu", **config): its text_tokens, shard_paths, ..."""
+    """train_gpt2's hardened Run for Config(device="cpu", **config): its token_streams(), hellaswag(), ..."""
     import train_gpt2
 
-    return train_gpt2.CheckedRun(train_gpt2.TrainConfig(device="cpu", **config))
+    return train_gpt2.CheckedRun(train_gpt2.Config(device="cpu", **config))
 
 
 @functools.cache
