@@ -1478,15 +1478,12 @@ def sharded_over_ranks(optimizer, launch):
         options["fused"] = False
         for group in optimizer.param_groups:
             group["fused"] = False
-    sharded = ZeroRedundancyOptimizer(optimizer.param_groups, optimizer_class=type(optimizer),
-                                      **options)
-    whole = sharded.state_dict
 
-    def state_dict():
-        sharded.consolidate_state_dict(to=0)
-        return whole() if launch.rank == 0 else None
-    sharded.state_dict = state_dict
-    return sharded
+    class Sharded(ZeroRedundancyOptimizer):  # (not a closure over the instance: a cycle would
+        def state_dict(self):  # outlive destroy_process_group, and gloo aborts Python's exit)
+            self.consolidate_state_dict(to=0)
+            return super().state_dict() if launch.rank == 0 else None
+    return Sharded(optimizer.param_groups, optimizer_class=type(optimizer), **options)
 
 def pack_hellaswag(batches: list[tuple], max_tokens) -> list[tuple]:
     """The recipe's batches of one example regrouped: (tokens, mask (4n, L), labels (n,)) of at

@@ -152,3 +152,26 @@ def test_a_resume_with_other_optimizer_flags_steps_with_them_and_keeps_a_groups_
     assert seen == [[(0.1, (0.9, 0.95), 0), (0.0, (0.9, 0.95), 0)],
                     [(0.1, (0.9, 0.95), tensors), (0.0, (0.9, 0.95), tensors)],
                     [(0.0, (0.9, 0.99), tensors), (0.0, (0.9, 0.99), tensors)]]  # the moments came back too
+
+
+def test_a_sharded_optimizer_is_freed_with_its_last_reference_not_left_to_the_collector(tmp_path):
+    """ZeroRedundancyOptimizer holds the process group. Its state_dict override once closed over the instance: a
+    reference cycle, freed only when the collector ran, which under CI's load was after destroy_process_group(),
+    and gloo aborted rank 0's exit (-6). With the collector off, the last reference must free it."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    gc.disable()
+    try:
+        model = t.GPT(t.GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+        [adamw] = t.configure_optimizers(model, t.TrainConfig(device="cpu"))
+        sharded = t.sharded_over_ranks(adamw, t.Launch(torchrun=True))
+        assert sharded.state_dict()["param_groups"]  # rank 0 of 1 gets it whole
+        freed = weakref.ref(sharded)
+        del sharded
+        assert freed() is None
+    finally:
+        gc.enable()
+        dist.destroy_process_group()
