@@ -1479,8 +1479,8 @@ def sharded_over_ranks(optimizer, launch):
         for group in optimizer.param_groups:
             group["fused"] = False
 
-    class Sharded(ZeroRedundancyOptimizer):  # (not a closure over the instance: a cycle would
-        def state_dict(self):  # outlive destroy_process_group, and gloo aborts Python's exit)
+    class Sharded(ZeroRedundancyOptimizer):  # no closure over the instance: a cycle outlives
+        def state_dict(self):  # destroy_process_group, and gloo aborts the exit
             self.consolidate_state_dict(to=0)
             return super().state_dict() if launch.rank == 0 else None
     return Sharded(optimizer.param_groups, optimizer_class=type(optimizer), **options)
