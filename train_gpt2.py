@@ -1469,8 +1469,8 @@ def make_optimizers(model: GPT, cfg, launch) -> list:
     return optimizers
 
 def sharded_over_ranks(optimizer, launch):
-    """optimizer as ZeroRedundancyOptimizer's; state_dict(), called on every rank, sends each
-    share to rank 0, which alone returns it whole."""
+    """optimizer as ZeroRedundancyOptimizer's: state_dict(), on every rank, sends each share to
+    rank 0, which returns it whole."""
     from torch.distributed.optim import ZeroRedundancyOptimizer  # here: it imports FSDP (slow)
     options = {name: value for name, value in optimizer.defaults.items()  # (defaults hold more)
                if name in inspect.signature(type(optimizer)).parameters}
