@@ -602,6 +602,7 @@ def print_samples(model: GPT, cfg, autocast, next_token=sample_next):
 # ruff: noqa: E402 (the machinery's own imports)
 import argparse
 import difflib
+import gc
 import glob
 import hashlib
 import importlib.metadata
@@ -677,9 +678,10 @@ def main(cfg, launch=None, problem=None) -> TrainResult | dict | list[str] | str
         print(f"error: {out_of_memory_message(cfg, device, launch.world_size)}", file=sys.stderr,
               flush=True)
         sys.exit(2)
-    # all leave here, a RunError (raised on all) past its except, whose traceback held DDP: held by
-    # nothing else, the group ends gloo's threads now; one left to Python's exit aborts it (#179291)
+    # all leave here, a RunError past its except; what holds the group (DDP, ZeRO), in a cycle too
+    # (a failed write's traceback), goes first: one left to Python's exit aborts it (#179291)
     if launch.torchrun:
+        gc.collect()
         dist.barrier()
         dist.destroy_process_group()
     if status:
@@ -1479,8 +1481,8 @@ def sharded_over_ranks(optimizer, launch):
         for group in optimizer.param_groups:
             group["fused"] = False
 
-    class Sharded(ZeroRedundancyOptimizer):  # no closure over the instance: a cycle outlives
-        def state_dict(self):  # destroy_process_group, and gloo aborts the exit
+    class Sharded(ZeroRedundancyOptimizer):  # (a closure over the instance: a cycle)
+        def state_dict(self):
             self.consolidate_state_dict(to=0)
             return super().state_dict() if launch.rank == 0 else None
     return Sharded(optimizer.param_groups, optimizer_class=type(optimizer), **options)

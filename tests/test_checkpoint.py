@@ -123,6 +123,35 @@ def test_a_log_the_disk_cannot_take_under_torchrun_stops_every_rank_with_one_lin
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
+# main() under torchrun, each rank saying how many DDP objects are alive, uncollected, as its group ends
+COUNTING_DRIVER = f"""import gc, os, sys
+sys.path.insert(0, {str(ROOT)!r})
+import torch.distributed as dist
+import train_gpt2 as t
+from torch.nn.parallel import DistributedDataParallel as DDP
+destroy = dist.destroy_process_group
+def counted():
+    alive = sum(isinstance(o, DDP) for o in gc.get_objects())
+    print(f"rank {{os.environ['RANK']}}: {{alive}} DDP alive as the group ends", file=sys.stderr, flush=True)
+    destroy()
+dist.destroy_process_group = counted
+t.main(t.parse_args(sys.argv[1:]))
+"""
+
+
+def test_a_failed_write_under_torchrun_leaves_nothing_holding_the_group_as_it_ends(tmp_path):
+    """The failed write's OSError holds train()'s frame, and its DDP, through its traceback, in a reference cycle:
+    left to the collector, DDP now and then outlived destroy_process_group() and gloo aborted rank 0's exit (CI: -6).
+    main() collects first: no DDP is alive as the group ends, on either rank."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(COUNTING_DRIVER)
+    args = EIGHT_STEPS + ["--eval_every", "0", "--log_dir", str(tmp_path / "log")]
+    result = torchrun(2, [str(driver)] + args, timeout=120, max_file_bytes=after_the_run_record(args, 1_000))
+    assert_every_rank_stopped_with_one_line(result, no_room(tmp_path / "log" / "metrics.jsonl"))
+    assert sorted(line for line in result.stderr.splitlines() if "DDP alive" in line) == [
+        "rank 0: 0 DDP alive as the group ends", "rank 1: 0 DDP alive as the group ends"], result.stderr
+
+
 def test_with_dropout_two_processes_draw_their_own_masks_and_resume_exactly(tmp_path):
     """Each rank seeds dropout's generator each step from (--seed, step, rank), so a checkpoint holds no generator
     state. The uninterrupted run writes ckpt_3.pt as it goes; a new launch goes on from it in a folder of its own, as
