@@ -1092,9 +1092,8 @@ class CheckedRun(Run):
                          f"({flags})" + (f": at step {step} the learning rate goes on at "
                          f"{rate:.4e} instead of {saved_rate:.4e}" if rate != saved_rate else ""))
         # the saved groups' settings that were the saved flags' become this run's flags'
-        settings = lambda c: {"weight_decay": c["weight_decay"], "eps": c["eps"],  # noqa: E731
-                              "betas": (c["beta1"], c["beta2"])}
-        then, now = settings(saved), settings(vars(cfg))
+        then, now = ({"weight_decay": c["weight_decay"], "eps": c["eps"],
+                      "betas": (c["beta1"], c["beta2"])} for c in (saved, vars(cfg)))
         for state in checkpoint["optimizer"]:
             for group in state["param_groups"]:
                 group.update({name: now[name] for name in now if group.get(name) == then[name]})
@@ -1233,9 +1232,8 @@ class CheckedRun(Run):
 
     def time_left(self, record, line):  # the median step so far, each step to come
         self.step_ms.append(record["ms"])
-        self.steps_done = record["step"] + 1
         left = datetime.timedelta(seconds=round(np.median(self.step_ms) / 1000 * (
-            self.cfg.max_steps - self.steps_done)))
+            self.cfg.max_steps - record["step"] - 1)))
         return f"{line} | {left} left"
 
     def start(self, model):
@@ -1311,7 +1309,7 @@ class CheckedRun(Run):
         failed write or bad token stops all."""
         signalled = stop_or_fail_together(self.stop_signal["requested"], [self, *self.inputs[:2]],
                                           self.launch)
-        cfg = self.cfg
+        cfg, self.steps_done = self.cfg, steps_done
         pause = steps_done - self.start_step == cfg.stop_after_steps and steps_done < cfg.max_steps
         self.stop_reason = ("a signal" if signalled else f"--stop_after_steps "
                             f"{cfg.stop_after_steps}" if pause else None)
